@@ -1,0 +1,1 @@
+"""Experts backends: the grouped expert computation for one token layout."""

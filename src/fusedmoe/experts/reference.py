@@ -1,0 +1,116 @@
+"""The exact reference: what one MoE layer means, for every scheme.
+
+Computed in ``dtype`` (float64 in tests, float32 elsewhere) from dequantized
+weights, with activations quantized exactly where and how the scheme says::
+
+    x_in  = x * w[t,k]        if the router weight is applied on input (K == 1)
+    xq    = Q_a1(x_in)        over all T tokens (a per-tensor dynamic scale sees them all)
+    h     = xq @ W13[e]^T + b13[e]
+    a     = act(h)
+    aq    = Q_a2(a)           over all (t, k) rows routed to local experts
+    y     = aq @ W2[e]^T + b2[e]
+    out[t] = sum_k w[t,k] * y  (or plain sum when weighted on input)
+
+Pairs whose expert maps to -1 under ``expert_map`` contribute nothing.
+Q(.) = dequantize(quantize(.)): the values a kernel would feed its GEMM.
+Every backend is compared with this function; it is never a second copy in tests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..activations import apply_activation
+from ..config import MoEConfig
+from ..quant import QuantScheme, fake_quantize
+from ..weights import ExpertWeights
+
+
+def _act_quant(x: torch.Tensor, tq, scale, global_scale, dtype: torch.dtype) -> torch.Tensor:
+    static = {}
+    if tq is not None and not tq.dynamic and scale is not None:
+        static["scale"] = scale
+    if tq is not None and global_scale is not None:
+        static["global_scale"] = global_scale
+    return fake_quantize(x, tq, dtype, **static)
+
+
+def expert_ffn_rows(
+    xq: torch.Tensor,
+    expert: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: ExpertWeights,
+    config: MoEConfig,
+    scheme: QuantScheme,
+) -> torch.Tensor:
+    """GEMM1 -> activation -> Q_a2 -> GEMM2 for rows ``xq`` [M, H] of local experts ``expert`` [M].
+
+    ``w13``/``w2`` are the dequantized weights in the compute dtype. Returns [M, H].
+    """
+    dtype = w13.dtype
+    m = xq.shape[0]
+    inter = torch.empty(m, config.intermediate_size, dtype=dtype, device=xq.device)
+    for e in torch.unique(expert).tolist():
+        rows = (expert == e).nonzero(as_tuple=True)[0]
+        h = xq[rows] @ w13[e].T
+        if weights.b13 is not None:
+            h = h + weights.b13[e].to(dtype)
+        inter[rows] = apply_activation(h, config)
+    aq = _act_quant(inter, scheme.a2, weights.a2_scale, weights.a2_global_scale, dtype)
+    out = torch.empty(m, config.hidden_size, dtype=dtype, device=xq.device)
+    for e in torch.unique(expert).tolist():
+        rows = (expert == e).nonzero(as_tuple=True)[0]
+        y = aq[rows] @ w2[e].T
+        if weights.b2 is not None:
+            y = y + weights.b2[e].to(dtype)
+        out[rows] = y
+    return out
+
+
+def quantize_input(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    weights: ExpertWeights,
+    config: MoEConfig,
+    scheme: QuantScheme,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """x [T, H] -> Q_a1(x (* router weight when applied on input)) in ``dtype``."""
+    x_in = x.to(dtype)
+    if config.apply_router_weight_on_input:
+        x_in = x_in * topk_weights.to(dtype).reshape(-1, 1)
+    return _act_quant(x_in, scheme.a1, weights.a1_scale, weights.a1_global_scale, dtype)
+
+
+def moe_reference(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    weights: ExpertWeights,
+    config: MoEConfig,
+    scheme: QuantScheme,
+    *,
+    expert_map: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """The MoE layer's output [T, H] in ``dtype`` (see the module docstring)."""
+    t, h = x.shape
+    k = topk_ids.shape[1]
+    out = torch.zeros(t, h, dtype=dtype, device=x.device)
+    if t == 0:
+        return out
+    w13, w2 = weights.dequantized(scheme, dtype)
+    xq = quantize_input(x, topk_weights, weights, config, scheme, dtype)
+    ids = topk_ids.long()
+    local = expert_map.long()[ids] if expert_map is not None else ids
+    tok = torch.arange(t, device=x.device).repeat_interleave(k)
+    local = local.reshape(-1)
+    keep = (local >= 0).nonzero(as_tuple=True)[0]
+    if keep.numel() == 0:
+        return out
+    y = expert_ffn_rows(xq[tok[keep]], local[keep], w13, w2, weights, config, scheme)
+    if not config.apply_router_weight_on_input:
+        y = y * topk_weights.reshape(-1)[keep].to(dtype).unsqueeze(1)
+    out.index_add_(0, tok[keep], y)
+    return out

@@ -1,0 +1,82 @@
+"""Typed routing metadata shared by every backend (what the router and the aligner produce).
+
+Shapes use T tokens, K top-k, E_l local experts, BM the block size of the
+grouped GEMM. Every field is a device tensor; sizes that depend on the data
+are *upper bounds* so nothing needs a host synchronisation (CUDA-graph safe).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TopK:
+    """The router's choice.
+
+    ids:     int32 [T, K] global expert ids, distinct within a row.
+    weights: float32 [T, K] router weights (already renormalized/scaled).
+    """
+
+    ids: torch.Tensor
+    weights: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return self.ids.shape[0]
+
+    @property
+    def top_k(self) -> int:
+        return self.ids.shape[1]
+
+
+@dataclass(frozen=True)
+class AlignedRouting:
+    """(token, k) pairs sorted by local expert, each expert's run padded to BM.
+
+    sorted_ids:   int32 [P] with P = max_padded(T*K, E_l, BM): the flat index
+                  t*K + k of the pair in each slot; T*K marks a padding slot.
+    block_expert: int32 [P // BM]: local expert of each BM block; -1 for blocks
+                  past ``num_padded`` or whose expert is not local.
+    num_padded:   int32 [1]: used slots (a multiple of BM), on the device.
+    expert_counts: int32 [E_l]: pairs routed to each local expert.
+    block_m:      BM.
+    num_pairs:    T*K (the padding sentinel).
+
+    Invariants (tested): counts sum to the number of local pairs; every local
+    pair appears exactly once in sorted_ids[:num_padded]; slots of a block all
+    belong to its expert; padding slots hold num_pairs.
+    """
+
+    sorted_ids: torch.Tensor
+    block_expert: torch.Tensor
+    num_padded: torch.Tensor
+    expert_counts: torch.Tensor
+    block_m: int
+    num_pairs: int
+
+    @staticmethod
+    def max_padded(num_pairs: int, num_local_experts: int, block_m: int) -> int:
+        """Upper bound on used slots: every expert's run rounded up to BM."""
+        bound = num_pairs + num_local_experts * (block_m - 1)
+        return max(block_m, -(-bound // block_m) * block_m)
+
+
+@dataclass(frozen=True)
+class BatchedTokens:
+    """The batched layout: tokens grouped per local expert with a fixed capacity.
+
+    x:       [E_l, M_max, H] activations (rows past counts[e] are undefined).
+    counts:  int32 [E_l] valid rows per expert.
+    x_scale: activation scales for quantized dispatch ([E_l, M_max, G]) or None.
+    """
+
+    x: torch.Tensor
+    counts: torch.Tensor
+    x_scale: torch.Tensor | None = None
+
+    @property
+    def capacity(self) -> int:
+        return self.x.shape[1]

@@ -1,0 +1,188 @@
+"""``QTensor`` and the format-independent scale arithmetic.
+
+A ``QTensor`` is a quantized operand: its stored ``data`` plus whatever the
+format needs to dequantize it. ``shape`` is the logical (unpacked) shape;
+``data`` may be packed (two int4/e2m1 values per uint8 along the last dim).
+
+The generic ``quantize`` / ``dequantize`` dispatch on ``TensorQuant.dtype`` to
+the format modules (fp8, int8, int4, mxfp4, nvfp4, mxfp8); each module
+registers itself in ``FORMATS``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+import torch
+
+from ..errors import expect
+from .scheme import Granularity, QDtype, TensorQuant
+
+
+@dataclass
+class QTensor:
+    """A quantized tensor of logical shape ``shape`` = [*B, N, K].
+
+    data:         stored values (fp8/int8 [*B,N,K]; int4/fp4 packed uint8 [*B,N,K/2],
+                  low nibble = even column)
+    scale:        dequantization multiplier, shape per ``Granularity.scale_shape``
+                  (e8m0 exponents as uint8 for MX formats, e4m3 for NVFP4)
+    zero:         zero points (int4/int8 asymmetric), same shape as scale, uint8
+    global_scale: fp32 [*B, 1, 1] second-level multiplier (NVFP4)
+    g_idx:        int32 [*B, K] group of each input column (int4 act-order)
+    """
+
+    data: torch.Tensor
+    shape: tuple[int, ...]
+    scale: torch.Tensor | None = None
+    zero: torch.Tensor | None = None
+    global_scale: torch.Tensor | None = None
+    g_idx: torch.Tensor | None = None
+
+    def to(self, device: torch.device | str) -> QTensor:
+        def mv(t):
+            return None if t is None else t.to(device)
+
+        return replace(
+            self,
+            data=self.data.to(device),
+            scale=mv(self.scale),
+            zero=mv(self.zero),
+            global_scale=mv(self.global_scale),
+            g_idx=mv(self.g_idx),
+        )
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The stored tensors by field name (None fields left out)."""
+        out = {"data": self.data}
+        for k in ("scale", "zero", "global_scale", "g_idx"):
+            v = getattr(self, k)
+            if v is not None:
+                out[k] = v
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+
+class Format(Protocol):
+    def quantize(
+        self,
+        x: torch.Tensor,
+        tq: TensorQuant,
+        *,
+        scale: torch.Tensor | None = None,
+        global_scale: torch.Tensor | None = None,
+        g_idx: torch.Tensor | None = None,
+    ) -> QTensor: ...
+
+    def dequantize(self, q: QTensor, tq: TensorQuant, dtype: torch.dtype) -> torch.Tensor: ...
+
+
+FORMATS: dict[QDtype, Format] = {}
+
+
+def register_format(dtype: QDtype, fmt: Format) -> None:
+    FORMATS[dtype] = fmt
+
+
+def _format(tq: TensorQuant) -> Format:
+    from . import _load_formats  # noqa: F401  (imports the format modules once)
+
+    expect(tq.dtype in FORMATS, "TensorQuant.dtype", f"one of {list(FORMATS)}", tq.dtype)
+    return FORMATS[tq.dtype]
+
+
+def quantize(
+    x: torch.Tensor,
+    tq: TensorQuant,
+    *,
+    scale: torch.Tensor | None = None,
+    global_scale: torch.Tensor | None = None,
+    g_idx: torch.Tensor | None = None,
+) -> QTensor:
+    """Quantize ``x`` ([*B, N, K], at least 2-D) as ``tq`` says.
+
+    ``scale`` (static schemes), ``global_scale`` (NVFP4) and ``g_idx``
+    (act-order) are used when given, computed from ``x`` otherwise.
+    """
+    expect(x.dim() >= 2, "x", "a tensor of at least 2 dims [*B, N, K]", tuple(x.shape))
+    expect(x.is_floating_point(), "x", "a floating-point tensor", x.dtype)
+    return _format(tq).quantize(x, tq, scale=scale, global_scale=global_scale, g_idx=g_idx)
+
+
+def dequantize(q: QTensor, tq: TensorQuant, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The real values ``q`` stands for, as ``dtype`` [*B, N, K]."""
+    return _format(tq).dequantize(q, tq, dtype)
+
+
+def fake_quantize(
+    x: torch.Tensor, tq: TensorQuant | None, dtype: torch.dtype | None = None, **static
+) -> torch.Tensor:
+    """dequantize(quantize(x)): what a kernel sees after quantizing ``x``.
+
+    ``tq=None`` returns ``x`` unchanged (cast to ``dtype`` if given).
+    """
+    dtype = dtype or x.dtype
+    if tq is None:
+        return x.to(dtype)
+    return dequantize(quantize(x, tq, **static), tq, dtype)
+
+
+# ---- scale arithmetic shared by the formats ---------------------------------
+
+
+def group_amax(x: torch.Tensor, gran: Granularity) -> torch.Tensor:
+    """abs-max of ``x`` [*B, N, K] over each scale group, in the scale shape, float32."""
+    a = x.abs().float()
+    n, k = x.shape[-2], x.shape[-1]
+    batch = x.shape[:-2]
+    if gran.kind == "tensor":
+        return a.amax(dim=(-2, -1), keepdim=True)
+    if gran.kind in ("token", "channel"):
+        return a.amax(dim=-1, keepdim=True)
+    if gran.kind == "group":
+        g = gran.group_size
+        kg = -(-k // g)
+        a = torch.nn.functional.pad(a, (0, kg * g - k))
+        return a.view(*batch, n, kg, g).amax(dim=-1)
+    bn, bk = gran.block_n, gran.block_k
+    nb, kb = -(-n // bn), -(-k // bk)
+    a = torch.nn.functional.pad(a, (0, kb * bk - k, 0, nb * bn - n))
+    return a.view(*batch, nb, bn, kb, bk).amax(dim=(-3, -1))
+
+
+def expand_scale(s: torch.Tensor, gran: Granularity, n: int, k: int) -> torch.Tensor:
+    """Broadcast a scale of ``gran``'s shape back to [*B, N, K] (a view where possible)."""
+    if gran.kind == "group":
+        s = s.repeat_interleave(gran.group_size, dim=-1)[..., :k]
+    elif gran.kind == "block":
+        s = s.repeat_interleave(gran.block_n, dim=-2)[..., :n, :]
+        s = s.repeat_interleave(gran.block_k, dim=-1)[..., :k]
+    return s.expand(*s.shape[:-2], n, k)
+
+
+def check_scale_shape(
+    scale: torch.Tensor, x: torch.Tensor, gran: Granularity, name: str = "scale"
+) -> torch.Tensor:
+    """Validate a user-given (static) scale and reshape it to the canonical shape."""
+    n, k = x.shape[-2], x.shape[-1]
+    want = (*x.shape[:-2], *gran.scale_shape(n, k))
+    if scale.numel() == 1 and gran.kind == "tensor":
+        return scale.reshape(1, 1).expand(want).float() if len(want) > 2 else scale.reshape(want).float()
+    expect(
+        scale.numel() == _numel(want),
+        name,
+        f"{_numel(want)} elements for shape {want} ({gran!r})",
+        tuple(scale.shape),
+    )
+    return scale.reshape(want)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
