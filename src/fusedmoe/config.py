@@ -88,9 +88,7 @@ class MoEConfig:
             f"<= num_experts ({self.num_experts})",
             self.top_k,
         )
-        expect(
-            self.dtype in SUPPORTED_DTYPES, "MoEConfig.dtype", f"one of {SUPPORTED_DTYPES}", self.dtype
-        )
+        expect(self.dtype in SUPPORTED_DTYPES, "MoEConfig.dtype", f"one of {SUPPORTED_DTYPES}", self.dtype)
         if self.apply_router_weight_on_input:
             expect(
                 self.top_k == 1,
@@ -145,9 +143,7 @@ class ParallelConfig:
             s, r = getattr(self, size), getattr(self, rank)
             expect(isinstance(s, int) and s >= 1, f"ParallelConfig.{size}", "an int >= 1", s)
             expect(isinstance(r, int) and 0 <= r < s, f"ParallelConfig.{rank}", f"in [0, {s})", r)
-        expect(
-            self.placement in _PLACEMENTS, "ParallelConfig.placement", f"one of {_PLACEMENTS}", self.placement
-        )
+        expect(self.placement in _PLACEMENTS, "ParallelConfig.placement", f"one of {_PLACEMENTS}", self.placement)
 
     def local_experts(self, num_experts: int) -> list[int]:
         """Global ids of the experts this rank owns (uneven splits: first ranks get one more)."""

@@ -58,9 +58,7 @@ class ExpertWeights:
             a2_global_scale=mv(self.a2_global_scale),
         )
 
-    def dequantized(
-        self, scheme: QuantScheme, dtype: torch.dtype = torch.float32
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def dequantized(self, scheme: QuantScheme, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """(W13, W2) as real numbers in ``dtype``, reference layout."""
         expect(self.layout == "reference", "ExpertWeights.layout", "'reference'", self.layout)
         if scheme.w1 is None:
@@ -77,7 +75,12 @@ class ExpertWeights:
         if config.has_bias:
             expect(self.b13 is not None and self.b2 is not None, "weights.b13/b2", "biases (has_bias)")
             expect(tuple(self.b13.shape) == want13[:2], "weights.b13", f"shape {want13[:2]}", self.b13.shape)
-            expect(tuple(self.b2.shape) == (e, config.hidden_size), "weights.b2", f"shape {(e, config.hidden_size)}", self.b2.shape)
+            expect(
+                tuple(self.b2.shape) == (e, config.hidden_size),
+                "weights.b2",
+                f"shape {(e, config.hidden_size)}",
+                self.b2.shape,
+            )
         else:
             expect(self.b13 is None and self.b2 is None, "weights.b13/b2", "None when has_bias=False")
         if scheme.w1 is None:
@@ -92,9 +95,17 @@ class ExpertWeights:
             expect(self.w13.scale is not None, "weights.w13.scale", f"a scale for {scheme.name}")
             for name, tq in (("a1", scheme.a1), ("a2", scheme.a2)):
                 if tq is not None and not tq.dynamic:
-                    expect(getattr(self, f"{name}_scale") is not None, f"weights.{name}_scale", f"a static scale for {scheme.name}")
+                    expect(
+                        getattr(self, f"{name}_scale") is not None,
+                        f"weights.{name}_scale",
+                        f"a static scale for {scheme.name}",
+                    )
                 if tq is not None and tq.has_global_scale:
-                    expect(getattr(self, f"{name}_global_scale") is not None, f"weights.{name}_global_scale", f"a global scale for {scheme.name}")
+                    expect(
+                        getattr(self, f"{name}_global_scale") is not None,
+                        f"weights.{name}_global_scale",
+                        f"a global scale for {scheme.name}",
+                    )
 
     @classmethod
     def from_float(

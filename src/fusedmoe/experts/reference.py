@@ -22,8 +22,9 @@ import torch
 
 from ..activations import apply_activation
 from ..config import MoEConfig
-from ..quant import QuantScheme, fake_quantize
+from ..quant import QTensor, QuantScheme, dequantize, fake_quantize
 from ..weights import ExpertWeights
+from .base import ALL_SCHEMES, Capabilities, Experts, TokenLayout, WeightedReduce
 
 
 def _act_quant(x: torch.Tensor, tq, scale, global_scale, dtype: torch.dtype) -> torch.Tensor:
@@ -95,22 +96,89 @@ def moe_reference(
     dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor:
     """The MoE layer's output [T, H] in ``dtype`` (see the module docstring)."""
-    t, h = x.shape
+    xq = quantize_input(x, topk_weights, weights, config, scheme, dtype)
+    return routed_experts(xq, topk_ids, topk_weights, weights, config, scheme, expert_map, dtype)
+
+
+def routed_experts(
+    xq: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    weights: ExpertWeights,
+    config: MoEConfig,
+    scheme: QuantScheme,
+    expert_map: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Everything after Q_a1: xq [T, H] (real values) -> weighted sum over K, [T, H]."""
+    t, h = xq.shape
     k = topk_ids.shape[1]
-    out = torch.zeros(t, h, dtype=dtype, device=x.device)
+    out = torch.zeros(t, h, dtype=dtype, device=xq.device)
     if t == 0:
         return out
     w13, w2 = weights.dequantized(scheme, dtype)
-    xq = quantize_input(x, topk_weights, weights, config, scheme, dtype)
     ids = topk_ids.long()
-    local = expert_map.long()[ids] if expert_map is not None else ids
-    tok = torch.arange(t, device=x.device).repeat_interleave(k)
-    local = local.reshape(-1)
+    local = (expert_map.long()[ids] if expert_map is not None else ids).reshape(-1)
+    tok = torch.arange(t, device=xq.device).repeat_interleave(k)
     keep = (local >= 0).nonzero(as_tuple=True)[0]
     if keep.numel() == 0:
         return out
-    y = expert_ffn_rows(xq[tok[keep]], local[keep], w13, w2, weights, config, scheme)
+    y = expert_ffn_rows(xq[tok[keep]].to(dtype), local[keep], w13, w2, weights, config, scheme)
     if not config.apply_router_weight_on_input:
         y = y * topk_weights.reshape(-1)[keep].to(dtype).unsqueeze(1)
     out.index_add_(0, tok[keep], y)
     return out
+
+
+def _activation_values(a: QTensor, scheme: QuantScheme, dtype: torch.dtype) -> torch.Tensor:
+    return a.data.to(dtype) if scheme.a1 is None else dequantize(a, scheme.a1, dtype)
+
+
+class ReferenceExperts(Experts):
+    """PyTorch float32 math from dequantized weights; every scheme; the truth."""
+
+    name = "reference"
+    layout = TokenLayout.STANDARD
+    reduce = WeightedReduce.NONE
+    batched_twin = "reference_batched"
+    capabilities = Capabilities(
+        layouts=frozenset({TokenLayout.STANDARD}),
+        schemes=ALL_SCHEMES,
+        platforms=frozenset({"cpu", "cuda", "rocm", "xpu"}),
+        note="float32 PyTorch from dequantized weights; checks every other backend",
+    )
+    compute_dtype = torch.float32
+
+    def apply(self, a, topk, weights, out, *, expert_map=None, workspace=None):
+        xq = _activation_values(a, self.scheme, self.compute_dtype)
+        res = routed_experts(
+            xq, topk.ids, topk.weights, weights, self.config, self.scheme, expert_map, self.compute_dtype
+        )
+        out.copy_(res)
+
+
+class ReferenceBatchedExperts(ReferenceExperts):
+    """The reference on the batched layout (unweighted rows; combine weights them)."""
+
+    name = "reference_batched"
+    layout = TokenLayout.BATCHED
+    reduce = WeightedReduce.WEIGHT_AND_SUM
+    batched_twin = None
+    capabilities = Capabilities(
+        layouts=frozenset({TokenLayout.BATCHED}),
+        schemes=ALL_SCHEMES,
+        platforms=frozenset({"cpu", "cuda", "rocm", "xpu"}),
+        note="float32 PyTorch, batched layout",
+        seed_names=("naive batched",),
+    )
+
+    def apply_batched(self, a, counts, weights, out, *, workspace=None):
+        e_l, m = a.shape[0], a.shape[1]
+        xq = _activation_values(a, self.scheme, self.compute_dtype).reshape(e_l * m, -1)
+        slot = torch.arange(m, device=counts.device)
+        valid = (slot.unsqueeze(0) < counts.unsqueeze(1)).reshape(-1).nonzero(as_tuple=True)[0]
+        if valid.numel() == 0:
+            return
+        w13, w2 = weights.dequantized(self.scheme, self.compute_dtype)
+        y = expert_ffn_rows(xq[valid], valid // m, w13, w2, weights, self.config, self.scheme)
+        out.reshape(e_l * m, -1)[valid] = y.to(out.dtype)

@@ -44,8 +44,9 @@ class _Linear:
 
     def dequantize(self, q: QTensor, tq: TensorQuant, dtype: torch.dtype) -> torch.Tensor:
         n, k = q.shape[-2], q.shape[-1]
-        s = expand_scale(q.scale.to(dtype), tq.granularity, n, k)
-        return q.data.to(dtype) * s
+        ct = torch.float64 if dtype == torch.float64 else torch.float32  # round once, at the end
+        s = expand_scale(q.scale.to(ct), tq.granularity, n, k)
+        return (q.data.to(ct) * s).to(dtype)
 
 
 fp8 = _Linear(FP8_MAX, torch.float8_e4m3fn, integer=False)

@@ -223,6 +223,19 @@ class QuantScheme:
         return d.value
 
     @property
+    def kind(self) -> tuple:
+        """Structure without sizes: per operand (dtype, granularity kind, dynamic, symmetric,
+        act_order). Backends claim kinds, so fp8 blocks of 64x64 or int4 groups of 32 are
+        covered by a claim of their 128-sized sibling (size limits go in extra checks)."""
+
+        def k(tq):
+            if tq is None:
+                return None
+            return (tq.dtype.value, tq.granularity.kind, tq.dynamic, tq.symmetric, tq.act_order)
+
+        return (k(self.a1), k(self.w1), k(self.a2), k(self.w2))
+
+    @property
     def weight_only(self) -> bool:
         return self.w1 is not None and self.a1 is None
 
@@ -287,13 +300,9 @@ class QuantScheme:
         return cls(name="int8_w8a16", w1=w, w2=w)
 
     @classmethod
-    def int4_w4a16(
-        cls, group_size: int = 128, zero_points: bool = False, act_order: bool = False
-    ) -> QuantScheme:
+    def int4_w4a16(cls, group_size: int = 128, zero_points: bool = False, act_order: bool = False) -> QuantScheme:
         """int4 weight-only: GPTQ (symmetric, optional act-order) or AWQ (zero points)."""
-        w = TensorQuant(
-            QDtype.INT4, Granularity.group(group_size), symmetric=not zero_points, act_order=act_order
-        )
+        w = TensorQuant(QDtype.INT4, Granularity.group(group_size), symmetric=not zero_points, act_order=act_order)
         name = f"int4_g{group_size}" + ("_zp" if zero_points else "") + ("_actorder" if act_order else "")
         return cls(name=name, w1=w, w2=w)
 

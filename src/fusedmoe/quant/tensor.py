@@ -53,6 +53,23 @@ class QTensor:
             g_idx=mv(self.g_idx),
         )
 
+    def select(self, e: int) -> QTensor:
+        """The slice of expert ``e`` (leading dim kept, size 1); shared scales pass through."""
+
+        def pick(t):
+            if t is None or t.dim() == 0 or t.shape[0] != self.shape[0]:
+                return t
+            return t[e : e + 1]
+
+        return QTensor(
+            data=self.data[e : e + 1],
+            shape=(1, *self.shape[1:]),
+            scale=pick(self.scale),
+            zero=pick(self.zero),
+            global_scale=pick(self.global_scale),
+            g_idx=pick(self.g_idx),
+        )
+
     def tensors(self) -> dict[str, torch.Tensor]:
         """The stored tensors by field name (None fields left out)."""
         out = {"data": self.data}
@@ -118,9 +135,7 @@ def dequantize(q: QTensor, tq: TensorQuant, dtype: torch.dtype = torch.float32) 
     return _format(tq).dequantize(q, tq, dtype)
 
 
-def fake_quantize(
-    x: torch.Tensor, tq: TensorQuant | None, dtype: torch.dtype | None = None, **static
-) -> torch.Tensor:
+def fake_quantize(x: torch.Tensor, tq: TensorQuant | None, dtype: torch.dtype | None = None, **static) -> torch.Tensor:
     """dequantize(quantize(x)): what a kernel sees after quantizing ``x``.
 
     ``tq=None`` returns ``x`` unchanged (cast to ``dtype`` if given).
@@ -139,6 +154,8 @@ def group_amax(x: torch.Tensor, gran: Granularity) -> torch.Tensor:
     a = x.abs().float()
     n, k = x.shape[-2], x.shape[-1]
     batch = x.shape[:-2]
+    if x.numel() == 0:
+        return torch.zeros(*batch, *gran.scale_shape(n, k), device=x.device)
     if gran.kind == "tensor":
         return a.amax(dim=(-2, -1), keepdim=True)
     if gran.kind in ("token", "channel"):
@@ -164,9 +181,7 @@ def expand_scale(s: torch.Tensor, gran: Granularity, n: int, k: int) -> torch.Te
     return s.expand(*s.shape[:-2], n, k)
 
 
-def check_scale_shape(
-    scale: torch.Tensor, x: torch.Tensor, gran: Granularity, name: str = "scale"
-) -> torch.Tensor:
+def check_scale_shape(scale: torch.Tensor, x: torch.Tensor, gran: Granularity, name: str = "scale") -> torch.Tensor:
     """Validate a user-given (static) scale and reshape it to the canonical shape."""
     n, k = x.shape[-2], x.shape[-1]
     want = (*x.shape[:-2], *gran.scale_shape(n, k))

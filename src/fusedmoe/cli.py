@@ -1,0 +1,115 @@
+"""The ``fusedmoe`` command: run, features, explain (bench and tune come with the benchmarks)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+
+def _cmd_run(args) -> int:
+    from .api import fused_moe
+    from .oracle import select_experts
+    from .presets import preset_config
+    from .quant import QuantScheme
+    from .testing import make_problem, rel_error, tolerance
+
+    device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    config = preset_config(args.preset, dtype=dtype)
+    scheme = QuantScheme.by_name(args.scheme)
+    print(f"fusedmoe run: preset {args.preset} {config!r}")
+    print(f"scheme {scheme.name}, tokens {args.tokens}, device {device}")
+    choice = select_experts(config, scheme, backend=args.backend)
+    print("oracle:\n" + choice.explain())
+    prob = make_problem(config, scheme, args.tokens, seed=args.seed, device=device)
+    routing = (prob.topk_ids, prob.topk_weights)
+    out = fused_moe(prob.x, routing, prob.weights, config, scheme, backend=choice.backend)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    times = []
+    for _ in range(args.iters):
+        t0 = time.perf_counter()
+        out = fused_moe(prob.x, routing, prob.weights, config, scheme, backend=choice.backend)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    ref = prob.reference(torch.float64 if device == "cpu" else torch.float32)
+    err, tol = rel_error(out, ref), tolerance(scheme, dtype)
+    med = sorted(times)[len(times) // 2]
+    print(f"output {tuple(out.shape)} {out.dtype}; rel. error vs reference {err:.2e} (tolerance {tol:.0e})")
+    print(f"time per forward (median of {args.iters}, backend {choice.backend}): {med * 1e3:.3f} ms")
+    ok = err <= tol
+    print("PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+def _cmd_features(args) -> int:
+    from .features import feature_matrix, to_markdown
+    from .platform import Platform
+
+    plat = Platform.simulated(args.platform) if args.platform else None
+    m = feature_matrix(plat)
+    print(json.dumps(m, indent=2) if args.json else to_markdown(m))
+    return 0
+
+
+def _cmd_explain(args) -> int:
+    from .errors import UnsupportedError
+    from .experts.base import TokenLayout
+    from .oracle import select_experts
+    from .platform import Platform
+    from .presets import preset_config
+    from .quant import QuantScheme
+
+    plat = Platform.simulated(args.platform, tuple(args.packages)) if args.platform else None
+    config = preset_config(args.preset)
+    scheme = QuantScheme.by_name(args.scheme)
+    layout = TokenLayout(args.layout)
+    try:
+        choice = select_experts(config, scheme, platform=plat, layout=layout, backend=args.backend)
+    except UnsupportedError as e:
+        print(str(e))
+        return 1
+    print(choice.explain())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="fusedmoe", description="Fused Mixture-of-Experts kernels.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    r = sub.add_parser("run", help="build a layer, run it, check it against the reference, time it")
+    r.add_argument("--preset", default="small")
+    r.add_argument("--scheme", default="bf16")
+    r.add_argument("--tokens", type=int, default=64)
+    r.add_argument("--backend", default="auto")
+    r.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    r.add_argument("--iters", type=int, default=10)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--cpu", action="store_true", help="stay on the CPU even if a GPU is present")
+    r.set_defaults(fn=_cmd_run)
+
+    f = sub.add_parser("features", help="the feature matrix, from the backends' declarations")
+    f.add_argument("--json", action="store_true")
+    f.add_argument("--platform", help="simulate a platform: cpu, sm80, sm89, sm90, sm100, gfx942, ...")
+    f.set_defaults(fn=_cmd_features)
+
+    e = sub.add_parser("explain", help="every backend candidate for a preset and scheme, and the choice")
+    e.add_argument("--preset", default="small")
+    e.add_argument("--scheme", default="bf16")
+    e.add_argument("--layout", default="standard", choices=["standard", "batched"])
+    e.add_argument("--backend", default="auto")
+    e.add_argument("--platform")
+    e.add_argument("--packages", nargs="*", default=[])
+    e.set_defaults(fn=_cmd_explain)
+
+    args = p.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

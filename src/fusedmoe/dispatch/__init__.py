@@ -1,0 +1,1 @@
+"""Dispatchers: quantize + dispatch before the experts, combine + reduce after."""

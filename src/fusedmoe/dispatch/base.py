@@ -1,0 +1,117 @@
+"""The ``Dispatcher`` interface: quantize + send before the experts, receive + reduce after.
+
+A dispatcher declares the token layout it produces (the experts must take
+the same), whether it quantizes activations before or after the exchange
+between ranks, and the top-k id dtype. ``dispatch`` returns a ``Dispatched``
+bundle; ``combine`` turns the experts' output back into [T, H], doing the
+weighted reduce the experts left to it (``WeightedReduce``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from ..config import MoEConfig, ParallelConfig
+from ..experts.base import TokenLayout, WeightedReduce
+from ..metadata import TopK
+from ..quant import QTensor, QuantScheme, quantize
+from ..weights import ExpertWeights
+
+
+@dataclass
+class Dispatched:
+    """What the experts receive.
+
+    a:        activations (QTensor: quantized as scheme.a1, or model dtype in ``data``);
+              [T', H] for the standard layout, [E_l, M, H] for the batched one.
+    topk:     routing of the rows of ``a`` (standard layout).
+    counts:   int32 [E_l] valid rows per expert (batched layout).
+    ctx:      whatever combine needs to bring results home.
+    """
+
+    a: QTensor
+    topk: TopK | None
+    counts: torch.Tensor | None
+    num_tokens: int
+    ctx: Any = None
+
+
+class Dispatcher:
+    name: ClassVar[str]
+    layout: ClassVar[TokenLayout]
+    quantize_before_exchange: ClassVar[bool] = True
+    topk_id_dtype: ClassVar[torch.dtype] = torch.int32
+    distributed: ClassVar[bool] = False
+    implemented: ClassVar[bool] = True
+    packages: ClassVar[tuple[str, ...]] = ()
+    platforms: ClassVar[frozenset[str]] = frozenset({"cpu", "cuda", "rocm", "xpu"})
+    note: ClassVar[str] = ""
+    seed_names: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def why_not(cls, platform) -> str | None:
+        """None if this dispatcher can run on ``platform``; otherwise why not."""
+        if platform.kind not in cls.platforms:
+            return f"platform {platform.label} not supported (needs {sorted(cls.platforms)})"
+        for p in cls.packages:
+            if not platform.has(p):
+                return f"package '{p}' is not installed"
+        if not cls.implemented:
+            return f"declared only: {cls.note or 'not implemented yet'}"
+        return None
+
+    def __init__(self, config: MoEConfig, scheme: QuantScheme, parallel: ParallelConfig | None = None):
+        self.config = config
+        self.scheme = scheme
+        self.parallel = parallel or ParallelConfig()
+
+    def max_tokens_per_rank(self, num_tokens: int) -> int:
+        """Rows per expert the batched layout must hold (an upper bound)."""
+        return num_tokens
+
+    def dispatch(
+        self,
+        x: torch.Tensor,
+        topk: TopK,
+        weights: ExpertWeights,
+        *,
+        expert_map: torch.Tensor | None = None,
+        a1_scale: torch.Tensor | None = None,
+    ) -> Dispatched:
+        raise NotImplementedError
+
+    def output_shape(self, d: Dispatched, reduce: WeightedReduce) -> tuple[int, ...]:
+        """Shape of the experts' output buffer."""
+        raise NotImplementedError
+
+    def combine(self, y: torch.Tensor, d: Dispatched, out: torch.Tensor, reduce: WeightedReduce) -> None:
+        raise NotImplementedError
+
+    # ---- shared helpers --------------------------------------------------
+    def quantize_input(
+        self,
+        x: torch.Tensor,
+        topk: TopK,
+        weights: ExpertWeights,
+        a1_scale: torch.Tensor | None = None,
+    ) -> QTensor:
+        """x (times the router weight when applied on input) quantized as scheme.a1.
+
+        ``a1_scale`` pins a per-tensor dynamic scale computed over a whole
+        input that is processed in chunks, so chunking does not change results.
+        """
+        if self.config.apply_router_weight_on_input:
+            x = (x.float() * topk.weights.reshape(-1, 1)).to(x.dtype)
+        tq = self.scheme.a1
+        if tq is None:
+            return QTensor(x, tuple(x.shape))
+        static = {}
+        scale = weights.a1_scale if not tq.dynamic else a1_scale
+        if scale is not None:
+            static["scale"] = scale
+        if weights.a1_global_scale is not None:
+            static["global_scale"] = weights.a1_global_scale
+        return quantize(x, tq, **static)

@@ -1,0 +1,216 @@
+"""The ``Experts`` interface: the grouped expert computation for one token layout.
+
+An Experts class declares what it supports in ``Capabilities``; everything
+that lists or chooses backends (``fusedmoe features``, the oracle, the
+capability test) reads those declarations, so no table is kept by hand.
+``why_not`` answers "can you run this, and if not, why" from the declaration
+plus any class-specific rule (``extra_checks``).
+
+Data flow, standard layout::
+
+    apply(a: QTensor [T, H] (quantized as scheme.a1, or model dtype),
+          topk: TopK, weights, expert_map, out)
+      out [T, H]     when reduce is WeightedReduce.NONE (weighted + summed inside)
+      out [T, K, H]  otherwise (the dispatcher's combine weights/sums)
+
+Batched layout::
+
+    apply(a: QTensor [E_l, M, H], counts [E_l], weights, out [E_l, M, H])
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from ..config import Activation, MoEConfig
+from ..metadata import TopK
+from ..platform import Platform
+from ..quant import QTensor, QuantScheme, all_schemes
+from ..quant.scheme import shape_supported
+from ..weights import ExpertWeights
+
+
+class TokenLayout(str, enum.Enum):
+    STANDARD = "standard"  # [T, H] + topk ids
+    BATCHED = "batched"  # [E_local, max_tokens, H] + counts
+
+    def __repr__(self) -> str:
+        return f"TokenLayout.{self.name}"
+
+
+class WeightedReduce(str, enum.Enum):
+    """Where the top-k weighting and the sum over K happen."""
+
+    NONE = "none"  # inside the experts: their output is already [T, H]
+    SUM = "sum"  # experts applied the router weight (GEMM2 epilogue); combine sums over K
+    WEIGHT_AND_SUM = "weight_and_sum"  # combine multiplies by the router weight and sums
+
+
+ALL_ACTIVATIONS = frozenset(Activation)
+ALL_SCHEMES = frozenset(s.name for s in all_schemes())
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What an Experts backend supports, declared once, read everywhere."""
+
+    layouts: frozenset[TokenLayout]
+    schemes: frozenset[str]  # QuantScheme names (see quant.scheme.all_schemes)
+    activations: frozenset[Activation] = ALL_ACTIVATIONS
+    dtypes: frozenset[torch.dtype] = frozenset({torch.bfloat16, torch.float16, torch.float32})
+    expert_map: bool = True
+    chunking: bool = True
+    router_weight_on_input: bool = True
+    bias: bool = True
+    platforms: frozenset[str] = frozenset({"cpu", "cuda"})  # Platform.kind values
+    min_capability: tuple[int, int] | None = None  # cuda compute capability
+    packages: tuple[str, ...] = ()  # optional packages it needs
+    implemented: bool = True  # False: declared so the oracle can say why not
+    note: str = ""
+    seed_names: tuple[str, ...] = ()  # rows of the reference feature tables this backend covers
+
+    @property
+    def scheme_kinds(self) -> frozenset:
+        return frozenset(s.kind for s in all_schemes() if s.name in self.schemes)
+
+    def supports_scheme(self, scheme: QuantScheme) -> bool:
+        return scheme.kind in self.scheme_kinds
+
+    @property
+    def quant_types(self) -> list[str]:
+        seen = []
+        for s in all_schemes():
+            if s.name in self.schemes and s.quant_types not in seen:
+                seen.append(s.quant_types)
+        return seen
+
+    @property
+    def granularities(self) -> list[str]:
+        """Weight granularity symbols of the supported quantized schemes."""
+        seen = []
+        for s in all_schemes():
+            if s.name in self.schemes and s.w1 is not None and s.w1.granularity.short not in seen:
+                seen.append(s.w1.granularity.short)
+        return seen
+
+
+@dataclass
+class Workspace:
+    """Buffers an Experts run needs, declared up front from the shapes."""
+
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
+
+    def nbytes(self) -> int:
+        total = 0
+        for shape, dtype in self.shapes.values():
+            n = 1
+            for d in shape:
+                n *= d
+            total += n * torch.empty((), dtype=dtype).element_size()
+        return total
+
+    def allocate(self, device) -> dict[str, torch.Tensor]:
+        return {k: torch.empty(s, dtype=d, device=device) for k, (s, d) in self.shapes.items()}
+
+
+class Experts:
+    """Base class: subclasses set ``name``, ``layout``, ``capabilities`` and implement ``apply``."""
+
+    name: ClassVar[str]
+    layout: ClassVar[TokenLayout]
+    capabilities: ClassVar[Capabilities]
+    reduce: ClassVar[WeightedReduce] = WeightedReduce.NONE
+    # A standard backend's batched twin (the oracle maps one to the other).
+    batched_twin: ClassVar[str | None] = None
+
+    def __init__(self, config: MoEConfig, scheme: QuantScheme) -> None:
+        self.config = config
+        self.scheme = scheme
+
+    # ---- capability checks ---------------------------------------------
+    @classmethod
+    def why_not(
+        cls,
+        config: MoEConfig,
+        scheme: QuantScheme,
+        platform: Platform,
+        *,
+        layout: TokenLayout | None = None,
+        expert_map: bool = False,
+        chunking: bool = False,
+    ) -> str | None:
+        """None if this backend can run the request; otherwise the reason, in words."""
+        c = cls.capabilities
+        if layout is not None and layout not in c.layouts:
+            return f"token layout {layout.value} not supported (has {sorted(x.value for x in c.layouts)})"
+        if platform.kind not in c.platforms:
+            return f"platform {platform.label} not supported (needs {sorted(c.platforms)})"
+        if c.min_capability and platform.kind == "cuda" and (platform.capability or (0, 0)) < c.min_capability:
+            need = f"sm{c.min_capability[0]}{c.min_capability[1]}"
+            return f"needs compute capability {need}+, platform is {platform.label}"
+        for p in c.packages:
+            if not platform.has(p):
+                return f"package '{p}' is not installed"
+        if not c.implemented:
+            return f"declared only: {c.note or 'adapter not implemented yet'}"
+        if not c.supports_scheme(scheme):
+            return f"quantization scheme {scheme.name} not supported"
+        if config.activation not in c.activations:
+            return f"activation {config.activation.value} not supported"
+        if config.dtype not in c.dtypes:
+            return f"dtype {config.dtype} not supported"
+        if expert_map and not c.expert_map:
+            return "expert map (expert parallelism) not supported"
+        if chunking and not c.chunking:
+            return "chunking not supported"
+        if config.apply_router_weight_on_input and not c.router_weight_on_input:
+            return "router weight on input not supported"
+        if config.has_bias and not c.bias:
+            return "biases not supported"
+        shape = shape_supported(scheme, config.hidden_size, config.intermediate_size)
+        if shape:
+            return shape
+        return cls.extra_checks(config, scheme, platform)
+
+    @classmethod
+    def extra_checks(cls, config: MoEConfig, scheme: QuantScheme, platform: Platform) -> str | None:
+        """Backend-specific rules beyond the declaration (sizes, combinations)."""
+        return None
+
+    # ---- running ---------------------------------------------------------
+    def workspace(self, num_tokens: int, num_local_experts: int) -> Workspace:
+        """Buffers ``apply`` needs for ``num_tokens`` tokens (all allocated before the run)."""
+        return Workspace()
+
+    def prepare_weights(self, weights: ExpertWeights) -> ExpertWeights:
+        """Convert reference-layout weights to this backend's layout (once, after loading)."""
+        return weights
+
+    def apply(
+        self,
+        a: QTensor,
+        topk: TopK,
+        weights: ExpertWeights,
+        out: torch.Tensor,
+        *,
+        expert_map: torch.Tensor | None = None,
+        workspace: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        """Standard layout: write the experts' output into ``out`` (see the module docstring)."""
+        raise NotImplementedError
+
+    def apply_batched(
+        self,
+        a: QTensor,
+        counts: torch.Tensor,
+        weights: ExpertWeights,
+        out: torch.Tensor,
+        *,
+        workspace: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        """Batched layout: rows [e, :counts[e]] of ``out`` [E_l, M, H] get expert e's output."""
+        raise NotImplementedError

@@ -1,0 +1,125 @@
+"""``cpu``: PyTorch on the CPU in the model dtype, grouped per expert.
+
+The (token, k) pairs are sorted by expert once; each expert that received
+tokens runs two dense GEMMs on a contiguous slice of rows, with its weights
+dequantized on the fly (one expert at a time, so the float copy of all the
+weights never exists). Compared with the per-expert loop that most model
+code ships (a boolean mask and a gather per expert, every expert visited),
+it visits only the experts hit, gathers once and scatters once.
+
+Numerics: GEMMs in the model dtype (bf16 on CPU accumulates in fp32), the
+weighted sum over K in fp32, one rounding to the model dtype at the end.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..activations import apply_activation
+from ..quant import dequantize, fake_quantize
+from .base import ALL_SCHEMES, Capabilities, Experts, TokenLayout, WeightedReduce
+
+
+class CpuExperts(Experts):
+    name = "cpu"
+    layout = TokenLayout.STANDARD
+    reduce = WeightedReduce.NONE
+    capabilities = Capabilities(
+        layouts=frozenset({TokenLayout.STANDARD}),
+        schemes=ALL_SCHEMES,
+        platforms=frozenset({"cpu"}),
+        note="PyTorch grouped per expert in the model dtype; weights dequantized per expert",
+        seed_names=("cpu_fused_moe",),
+    )
+
+    def _a2_static(self, weights) -> dict:
+        static = {}
+        if self.scheme.a2 is not None and not self.scheme.a2.dynamic:
+            static["scale"] = weights.a2_scale
+        if weights.a2_global_scale is not None:
+            static["global_scale"] = weights.a2_global_scale
+        return static
+
+    def _expert_weight(self, q, tq, e, dtype):
+        if tq is None:
+            return q.data[e].to(dtype)
+        return dequantize(q.select(e), tq, dtype)[0]
+
+    def apply(self, a, topk, weights, out, *, expert_map=None, workspace=None):
+        cfg, sch = self.config, self.scheme
+        dt = cfg.dtype
+        t, k = topk.ids.shape
+        if t == 0:
+            return
+        x = a.data.to(dt) if sch.a1 is None else dequantize(a, sch.a1, dt)
+        ids = topk.ids.reshape(-1).long()
+        local = expert_map.long()[ids] if expert_map is not None else ids
+        keep = (local >= 0).nonzero(as_tuple=True)[0]
+        acc = torch.zeros(t, cfg.hidden_size, dtype=torch.float32)
+        if keep.numel():
+            order = keep[torch.sort(local[keep], stable=True).indices]
+            counts = torch.bincount(local[order], minlength=weights.num_experts).tolist()
+            xs = x[order // k]
+            inter = torch.empty(order.numel(), cfg.intermediate_size, dtype=dt)
+            spans = []
+            start = 0
+            for e, c in enumerate(counts):
+                if c:
+                    spans.append((e, start, start + c))
+                    start += c
+            for e, s0, s1 in spans:
+                h = xs[s0:s1] @ self._expert_weight(weights.w13, sch.w1, e, dt).T
+                if weights.b13 is not None:
+                    h = h + weights.b13[e].to(dt)
+                inter[s0:s1] = apply_activation(h, cfg)
+            inter = fake_quantize(inter, sch.a2, dt, **self._a2_static(weights))
+            y = torch.empty(order.numel(), cfg.hidden_size, dtype=torch.float32)
+            for e, s0, s1 in spans:
+                ye = inter[s0:s1] @ self._expert_weight(weights.w2, sch.w2, e, dt).T
+                if weights.b2 is not None:
+                    ye = ye + weights.b2[e].to(dt)
+                y[s0:s1] = ye.float()
+            if not cfg.apply_router_weight_on_input:
+                y *= topk.weights.reshape(-1)[order].float().unsqueeze(1)
+            acc.index_add_(0, order // k, y)
+        out.copy_(acc)
+
+
+class LoopExperts(CpuExperts):
+    """The per-expert loop most model code ships: every expert visited, a mask per expert.
+
+    Kept as the baseline the cpu backend is measured against, and as the
+    'iterative' row of the reference tables.
+    """
+
+    name = "loop"
+    # a per-tensor dynamic a2 scale would be taken per expert here, not over all rows
+    capabilities = Capabilities(
+        layouts=frozenset({TokenLayout.STANDARD}),
+        schemes=ALL_SCHEMES - {"fp8_tensor", "int8_w8a8_tensor"},
+        platforms=frozenset({"cpu", "cuda", "rocm", "xpu"}),
+        note="per-expert loop in the model dtype (baseline)",
+        seed_names=("iterative",),
+    )
+
+    def apply(self, a, topk, weights, out, *, expert_map=None, workspace=None):
+        cfg, sch = self.config, self.scheme
+        dt = cfg.dtype
+        x = a.data.to(dt) if sch.a1 is None else dequantize(a, sch.a1, dt)
+        acc = torch.zeros(x.shape[0], cfg.hidden_size, dtype=torch.float32, device=x.device)
+        ids = topk.ids.long()
+        local = expert_map.long()[ids] if expert_map is not None else ids
+        for e in range(weights.num_experts):
+            tok, kk = torch.where(local == e)
+            h = x[tok] @ self._expert_weight(weights.w13, sch.w1, e, dt).T
+            if weights.b13 is not None:
+                h = h + weights.b13[e].to(dt)
+            inter = fake_quantize(apply_activation(h, cfg), sch.a2, dt, **self._a2_static(weights))
+            y = inter @ self._expert_weight(weights.w2, sch.w2, e, dt).T
+            if weights.b2 is not None:
+                y = y + weights.b2[e].to(dt)
+            y = y.float()
+            if not cfg.apply_router_weight_on_input:
+                y = y * topk.weights[tok, kk].float().unsqueeze(1)
+            acc.index_add_(0, tok, y)
+        out.copy_(acc)

@@ -1,0 +1,1 @@
+"""Bridges from other libraries' MoE modules to fusedmoe's configs and weights."""

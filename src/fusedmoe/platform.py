@@ -1,0 +1,105 @@
+"""What the platform has, as data: device kind, compute capability, SM count, packages.
+
+``Platform.detect()`` reads the running machine; tests and ``fusedmoe explain
+--platform`` build one by hand (``Platform.simulated("sm100")``) to exercise
+backend choices for hardware we do not have. Nothing else in fusedmoe asks
+torch.cuda directly what the hardware is.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from .errors import expect
+
+# Optional packages an adapter may need (import name -> what it gives).
+OPTIONAL_PACKAGES = {
+    "flashinfer": "FlashInfer fused MoE (CUTLASS / TRT-LLM)",
+    "deep_gemm": "DeepGEMM fp8 grouped GEMMs",
+    "triton_kernels": "OpenAI triton_kernels (MXFP4 matmul_ogs)",
+    "aiter": "AMD AITER fused MoE",
+    "vllm": "vLLM custom ops (Marlin MoE)",
+    "deep_ep": "DeepEP all-to-all",
+    "pplx_kernels": "pplx-kernels all-to-all",
+    "torch_xla": "PyTorch/XLA (TPU)",
+}
+
+_SIMULATED = {
+    "cpu": ("cpu", None, "CPU"),
+    "sm80": ("cuda", (8, 0), "NVIDIA A100"),
+    "sm89": ("cuda", (8, 9), "NVIDIA L40S"),
+    "sm90": ("cuda", (9, 0), "NVIDIA H100 80GB HBM3"),
+    "sm100": ("cuda", (10, 0), "NVIDIA B200"),
+    "gfx942": ("rocm", (9, 4), "AMD Instinct MI300X"),
+    "gfx950": ("rocm", (9, 5), "AMD Instinct MI355X"),
+    "tpu": ("tpu", None, "TPU"),
+    "xpu": ("xpu", None, "Intel GPU"),
+}
+
+
+@dataclass(frozen=True)
+class Platform:
+    kind: str  # cpu | cuda | rocm | xpu | tpu
+    capability: tuple[int, int] | None = None
+    name: str = "CPU"
+    sm_count: int = 0
+    packages: frozenset[str] = field(default_factory=frozenset)
+    is_simulated: bool = False
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.kind in ("cuda", "rocm", "xpu")
+
+    @property
+    def label(self) -> str:
+        if self.kind == "cuda" and self.capability:
+            return f"sm{self.capability[0]}{self.capability[1]}"
+        return self.kind
+
+    def has(self, package: str) -> bool:
+        return package in self.packages
+
+    def at_least(self, major: int, minor: int = 0) -> bool:
+        return self.kind == "cuda" and self.capability is not None and self.capability >= (major, minor)
+
+    @property
+    def has_fp8(self) -> bool:
+        """Native fp8 tensor cores: sm89+ or MI300-class."""
+        return self.at_least(8, 9) or self.kind == "rocm"
+
+    @property
+    def has_fp4(self) -> bool:
+        """Native FP4 tensor cores (sm100+)."""
+        return self.at_least(10, 0)
+
+    @classmethod
+    def detect(cls) -> Platform:
+        pk = frozenset(p for p in OPTIONAL_PACKAGES if importlib.util.find_spec(p) is not None)
+        if torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(torch.cuda.current_device())
+            kind = "rocm" if torch.version.hip else "cuda"
+            return cls(kind, (props.major, props.minor), props.name, props.multi_processor_count, pk)
+        return cls("cpu", None, "CPU", 0, pk)
+
+    @classmethod
+    def simulated(cls, label: str, packages: tuple[str, ...] = ()) -> Platform:
+        """A platform we may not have: 'cpu', 'sm80', 'sm89', 'sm90', 'sm100', 'gfx942', ..."""
+        expect(label in _SIMULATED, "platform", f"one of {list(_SIMULATED)}", label)
+        kind, cap, name = _SIMULATED[label]
+        return cls(kind, cap, name, 132 if kind != "cpu" else 0, frozenset(packages), is_simulated=True)
+
+    def with_packages(self, *packages: str) -> Platform:
+        return replace(self, packages=self.packages | frozenset(packages))
+
+
+_CURRENT: Platform | None = None
+
+
+def current_platform() -> Platform:
+    global _CURRENT
+    if _CURRENT is None:
+        _CURRENT = Platform.detect()
+    return _CURRENT

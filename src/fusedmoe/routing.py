@@ -1,0 +1,288 @@
+"""Routing: router logits [T, E] -> ``TopK`` (ids int32 [T, K], weights float32 [T, K]).
+
+This plain-PyTorch ``route`` is the reference every fused routing kernel is
+checked against. Everything is computed in float32, whatever the logits dtype::
+
+    scores  = softmax(logits) over E      (scoring='softmax')
+            | sigmoid(logits)              (scoring='sigmoid')
+    choice  = scores + correction_bias     (DeepSeek-V3 ``e_score_correction_bias``; else scores)
+    grouped top-k (num_expert_group G, topk_group TG): the E experts form G
+            contiguous groups of E/G; a group's score is the sum of its two
+            largest ``choice`` values when a correction bias is given (DeepSeek-V3),
+            else its largest ``choice`` (DeepSeek-V2); the TG best groups are kept
+            and experts of the other groups cannot be chosen.
+    ids     = the K experts with the largest ``choice``
+    weights = scores[ids]                  (the *unbiased* scores)
+            / sum(weights)                 (renormalize)
+            * routed_scaling_factor
+
+Tie-breaking is deterministic and documented: among equal values the lower id
+wins, for experts and for groups alike (a stable descending sort, since
+``torch.topk`` promises no order among ties). Each row of ``ids`` lists its
+experts by decreasing ``choice`` (equal ones by increasing id).
+
+softmax + renormalize equals gpt-oss's "top-k of the logits, then softmax over
+those k". NaN logits give unspecified choices.
+
+``custom_fn(logits, top_k) -> (weights [T, K], ids [T, K])`` replaces all of
+the above (the other settings must keep their defaults); its result is checked
+(shapes, dtypes, ids in range and distinct per row, finite weights).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+import torch
+
+from .errors import expect
+from .metadata import TopK
+
+__all__ = ["SCORINGS", "RouterConfig", "route"]
+
+SCORINGS = ("softmax", "sigmoid")
+
+CustomRoutingFn = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """How a layer turns router logits into a ``TopK`` (see the module docstring).
+
+    num_experts:      E, the width of the logits.
+    top_k:            K, experts per token (1 <= K <= E).
+    scoring:          'softmax' or 'sigmoid'.
+    renormalize:      divide the K weights of a token by their sum.
+    num_expert_group: G, number of expert groups for grouped top-k (None: no grouping).
+    topk_group:       TG, groups kept per token (set together with G).
+    routed_scaling_factor: multiplies the final weights (after renormalization).
+    custom_fn:        ``custom_fn(logits, top_k) -> (weights, ids)`` replacing the rest.
+
+    The repr evaluates back to an equal object; a ``custom_fn`` is written by
+    its qualified name, so it must be in scope.
+    """
+
+    num_experts: int
+    top_k: int
+    scoring: str = "softmax"
+    renormalize: bool = False
+    num_expert_group: int | None = None
+    topk_group: int | None = None
+    routed_scaling_factor: float = 1.0
+    custom_fn: CustomRoutingFn | None = None
+
+    def __post_init__(self) -> None:
+        e, k = self.num_experts, self.top_k
+        expect(_is_int(e) and e > 0, "RouterConfig.num_experts", "a positive int", e)
+        expect(_is_int(k) and k > 0, "RouterConfig.top_k", "a positive int", k)
+        expect(k <= e, "RouterConfig.top_k", f"<= num_experts ({e})", k)
+        expect(self.scoring in SCORINGS, "RouterConfig.scoring", f"one of {SCORINGS}", self.scoring)
+        expect(
+            isinstance(self.renormalize, bool),
+            "RouterConfig.renormalize",
+            "a bool",
+            self.renormalize,
+        )
+        g, tg = self.num_expert_group, self.topk_group
+        expect(
+            (g is None) == (tg is None),
+            "RouterConfig.num_expert_group/topk_group",
+            "both set (grouped top-k) or both None",
+            (g, tg),
+        )
+        if g is not None:
+            expect(_is_int(g) and g > 0, "RouterConfig.num_expert_group", "a positive int", g)
+            expect(
+                e % g == 0, "RouterConfig.num_expert_group", f"a divisor of num_experts ({e})", g
+            )
+            expect(
+                _is_int(tg) and 0 < tg <= g,
+                "RouterConfig.topk_group",
+                f"an int in [1, num_expert_group ({g})]",
+                tg,
+            )
+            expect(
+                k <= tg * (e // g),
+                "RouterConfig.top_k",
+                f"<= topk_group * experts per group ({tg} * {e // g}) so enough experts stay",
+                k,
+            )
+        f = self.routed_scaling_factor
+        expect(
+            isinstance(f, (int, float)) and not isinstance(f, bool) and math.isfinite(f) and f > 0,
+            "RouterConfig.routed_scaling_factor",
+            "a finite number > 0",
+            f,
+        )
+        object.__setattr__(self, "routed_scaling_factor", float(f))
+        if self.custom_fn is not None:
+            expect(callable(self.custom_fn), "RouterConfig.custom_fn", "a callable", self.custom_fn)
+            defaults = RouterConfig(num_experts=e, top_k=k)
+            changed = [
+                fl.name
+                for fl in fields(self)
+                if fl.name not in ("num_experts", "top_k", "custom_fn")
+                and getattr(self, fl.name) != getattr(defaults, fl.name)
+            ]
+            expect(
+                not changed,
+                "RouterConfig.custom_fn",
+                "the other routing settings at their defaults (custom_fn replaces them)",
+                changed,
+            )
+
+    def __repr__(self) -> str:
+        parts = []
+        for fl in fields(self):
+            v = getattr(self, fl.name)
+            if fl.name == "custom_fn" and v is not None:
+                parts.append(f"custom_fn={getattr(v, '__qualname__', repr(v))}")
+            else:
+                parts.append(f"{fl.name}={v!r}")
+        return f"RouterConfig({', '.join(parts)})"
+
+    @property
+    def grouped(self) -> bool:
+        return self.num_expert_group is not None
+
+    def route(
+        self, router_logits: torch.Tensor, correction_bias: torch.Tensor | None = None
+    ) -> TopK:
+        """router_logits [T, E] (any float dtype) -> TopK; correction_bias [E] or None."""
+        logits = router_logits
+        expect(
+            isinstance(logits, torch.Tensor) and logits.dim() == 2 and logits.is_floating_point(),
+            "router_logits",
+            "a floating tensor [T, E]",
+            getattr(logits, "shape", type(logits)),
+        )
+        expect(
+            logits.shape[1] == self.num_experts,
+            "router_logits",
+            f"E = num_experts ({self.num_experts}) columns",
+            tuple(logits.shape),
+        )
+        if correction_bias is not None:
+            expect(self.custom_fn is None, "correction_bias", "None with a custom_fn")
+            expect(
+                isinstance(correction_bias, torch.Tensor)
+                and tuple(correction_bias.shape) == (self.num_experts,)
+                and correction_bias.is_floating_point(),
+                "correction_bias",
+                f"a floating tensor of shape ({self.num_experts},)",
+                getattr(correction_bias, "shape", type(correction_bias)),
+            )
+        if self.custom_fn is not None:
+            return self._route_custom(logits)
+
+        scores = logits.float()
+        scores = scores.softmax(dim=-1) if self.scoring == "softmax" else scores.sigmoid()
+        choice = scores
+        if correction_bias is not None:
+            choice = scores + correction_bias.to(device=scores.device, dtype=torch.float32)
+        if self.grouped:
+            choice = self._mask_groups(choice, two_best=correction_bias is not None)
+        ids = _topk_ids(choice, self.top_k)
+        weights = scores.gather(1, ids)
+        if self.renormalize:
+            # clamp: scores that all underflow (sigmoid of logits below ~-88) give 0, not NaN
+            weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(
+                torch.finfo(torch.float32).tiny
+            )
+        if self.routed_scaling_factor != 1.0:
+            weights = weights * self.routed_scaling_factor
+        return TopK(ids=ids.to(torch.int32).contiguous(), weights=weights.contiguous())
+
+    def _mask_groups(self, choice: torch.Tensor, two_best: bool) -> torch.Tensor:
+        """``choice`` with the experts outside each token's TG best groups set to -inf."""
+        t, e = choice.shape
+        g = self.num_expert_group
+        per_group = choice.view(t, g, e // g)
+        if two_best:
+            best = torch.sort(per_group, dim=-1, descending=True, stable=True).values
+            group_score = best[..., : min(2, e // g)].sum(dim=-1)
+        else:
+            group_score = per_group.amax(dim=-1)
+        keep = torch.zeros(t, g, dtype=torch.bool, device=choice.device)
+        keep.scatter_(1, _topk_ids(group_score, self.topk_group), True)
+        keep = keep.repeat_interleave(e // g, dim=1)
+        return choice.masked_fill(~keep, float("-inf"))
+
+    def _route_custom(self, logits: torch.Tensor) -> TopK:
+        t, k, e = logits.shape[0], self.top_k, self.num_experts
+        out = self.custom_fn(logits, k)
+        expect(
+            isinstance(out, tuple)
+            and len(out) == 2
+            and all(isinstance(x, torch.Tensor) for x in out),
+            "custom_fn",
+            "to return a tuple (weights, ids) of tensors",
+            type(out),
+        )
+        weights, ids = out
+        expect(
+            tuple(weights.shape) == (t, k) and weights.is_floating_point(),
+            "custom_fn weights",
+            f"a floating tensor of shape {(t, k)}",
+            (tuple(weights.shape), weights.dtype),
+        )
+        expect(
+            tuple(ids.shape) == (t, k) and not ids.is_floating_point() and ids.dtype != torch.bool,
+            "custom_fn ids",
+            f"an integer tensor of shape {(t, k)}",
+            (tuple(ids.shape), ids.dtype),
+        )
+        if t > 0:
+            expect(bool(((ids >= 0) & (ids < e)).all()), "custom_fn ids", f"in [0, {e})")
+            s = ids.sort(dim=-1).values
+            expect(bool((s[:, 1:] != s[:, :-1]).all()), "custom_fn ids", "distinct within each row")
+            expect(bool(torch.isfinite(weights).all()), "custom_fn weights", "finite values")
+        return TopK(
+            ids=ids.to(torch.int32).contiguous(), weights=weights.to(torch.float32).contiguous()
+        )
+
+
+def _topk_ids(values: torch.Tensor, k: int) -> torch.Tensor:
+    """int64 [T, k]: columns of the k largest values per row; ties -> lower column first."""
+    return torch.sort(values, dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+def route(
+    router_logits: torch.Tensor,
+    top_k: int,
+    *,
+    scoring: str = "softmax",
+    renormalize: bool = False,
+    correction_bias: torch.Tensor | None = None,
+    num_expert_group: int | None = None,
+    topk_group: int | None = None,
+    routed_scaling_factor: float = 1.0,
+    custom_fn: CustomRoutingFn | None = None,
+) -> TopK:
+    """Route ``router_logits`` [T, E] to ``top_k`` experts per token (see the module docstring).
+
+    Equivalent to ``RouterConfig(E, top_k, ...).route(router_logits, correction_bias)``.
+    """
+    expect(
+        isinstance(router_logits, torch.Tensor) and router_logits.dim() == 2,
+        "router_logits",
+        "a tensor [T, E]",
+        getattr(router_logits, "shape", type(router_logits)),
+    )
+    cfg = RouterConfig(
+        num_experts=router_logits.shape[1],
+        top_k=top_k,
+        scoring=scoring,
+        renormalize=renormalize,
+        num_expert_group=num_expert_group,
+        topk_group=topk_group,
+        routed_scaling_factor=routed_scaling_factor,
+        custom_fn=custom_fn,
+    )
+    return cfg.route(router_logits, correction_bias)

@@ -1,0 +1,211 @@
+"""MoEKernel = Dispatcher x Experts: edge cases, chunking, expert maps, shared experts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fusedmoe.api import fused_moe
+from fusedmoe.config import MoEConfig, ParallelConfig
+from fusedmoe.dispatch.local import LocalBatchedDispatcher, LocalDispatcher
+from fusedmoe.errors import FusedMoEError, UnsupportedError
+from fusedmoe.experts.cpu import CpuExperts, LoopExperts
+from fusedmoe.experts.reference import ReferenceBatchedExperts, ReferenceExperts, moe_reference
+from fusedmoe.kernel import MoEKernel
+from fusedmoe.metadata import TopK
+from fusedmoe.quant import QuantScheme
+from fusedmoe.quant.scheme import shape_supported
+from fusedmoe.testing import EDGE_CASES, ODD_CASES, make_problem, poison_, rel_error, tolerance
+
+SCHEMES = [
+    QuantScheme.unquantized(),
+    QuantScheme.fp8_per_tensor(),
+    QuantScheme.fp8_per_token(),
+    QuantScheme.fp8_block(),
+    QuantScheme.int8_w8a8("channel"),
+    QuantScheme.int4_w4a16(32, zero_points=True),
+    QuantScheme.mxfp4_w4a16(),
+    QuantScheme.nvfp4(),
+]
+KERNELS = [
+    ("local", "cpu"),
+    ("local", "reference"),
+    ("local", "loop"),
+    ("local_batched", "reference_batched"),
+]
+CASES = EDGE_CASES + ODD_CASES
+
+
+def _run(prob, dname, ename, **kw):
+    return fused_moe(
+        prob.x,
+        (prob.topk_ids, prob.topk_weights),
+        prob.weights,
+        prob.config,
+        prob.scheme,
+        backend=ename,
+        dispatcher=dname,
+        expert_map=prob.expert_map,
+        **kw,
+    )
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.label)
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)
+@pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: f"{k[0]}+{k[1]}")
+def test_edge_cases_match_reference(case, scheme, kernel):
+    if kernel[1] == "loop" and scheme.name == "fp8_tensor":
+        pytest.skip("loop refuses per-tensor dynamic a2 (tested in test_capabilities)")
+    config = case.config()
+    why = shape_supported(scheme, config.hidden_size, config.intermediate_size)
+    if why:
+        # a shape the formats cannot store must be refused, not computed wrongly
+        prob_x = torch.randn(case.t, case.h).bfloat16()
+        ids = torch.zeros(case.t, case.k, dtype=torch.int32)
+        with pytest.raises(UnsupportedError, match="multiple of"):
+            fused_moe(
+                prob_x, (ids, torch.ones(case.t, case.k)), None, config, scheme, backend=kernel[1], dispatcher=kernel[0]
+            )
+        return
+    prob = make_problem(config, scheme, case.t, seed=case.t * 31 + case.e, routing=case.routing)
+    out = _run(prob, *kernel)
+    assert out.shape == (case.t, case.h) and out.dtype == config.dtype
+    ref = prob.reference()
+    assert rel_error(out, ref) <= tolerance(scheme, config.dtype)
+
+
+@pytest.mark.parametrize("scheme", [QuantScheme.unquantized(), QuantScheme.fp8_per_tensor()], ids=lambda s: s.name)
+@pytest.mark.parametrize("kernel", KERNELS[:2] + KERNELS[3:], ids=lambda k: f"{k[0]}+{k[1]}")
+def test_chunking_does_not_change_results(scheme, kernel):
+    config = MoEConfig(6, 2, 64, 32)
+    prob = make_problem(config, scheme, 23, seed=4)
+    whole = _run(prob, *kernel, chunk_size=1000)
+    chunked = _run(prob, *kernel, chunk_size=5)
+    # a1's per-tensor scale is pinned over the whole input; a2's is per chunk
+    tol = 0 if scheme.a2 is None or scheme.a2.granularity.kind != "tensor" else tolerance(scheme, config.dtype)
+    assert rel_error(chunked, whole.double()) <= tol
+
+
+@pytest.mark.parametrize("placement", ["linear", "round_robin"])
+@pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: f"{k[0]}+{k[1]}")
+def test_expert_map_keeps_only_local_experts(placement, kernel):
+    config = MoEConfig(7, 3, 64, 32)
+    par = ParallelConfig(ep_size=3, ep_rank=1, placement=placement)
+    emap = par.expert_map(7)
+    n_local = len(par.local_experts(7))
+    prob = make_problem(config, QuantScheme.fp8_per_token(), 13, seed=9, expert_map=emap, num_local_experts=n_local)
+    out = _run(prob, *kernel)
+    ref = prob.reference()
+    assert rel_error(out, ref) <= tolerance(prob.scheme, config.dtype)
+    # tokens none of whose experts are local get exactly zero
+    local_any = (emap.long()[prob.topk_ids.long()] >= 0).any(dim=1)
+    assert torch.all(out[~local_any] == 0)
+
+
+def test_expert_maps_of_all_ranks_sum_to_the_whole_layer():
+    config = MoEConfig(7, 2, 64, 32)
+    full = make_problem(config, QuantScheme.unquantized(), 10, seed=2)
+    total = torch.zeros(10, 64, dtype=torch.float64)
+    for rank in range(3):
+        par = ParallelConfig(ep_size=3, ep_rank=rank)
+        local = par.local_experts(7)
+        w = full.weights
+        from fusedmoe.quant import QTensor
+        from fusedmoe.weights import ExpertWeights
+
+        lw = ExpertWeights(
+            QTensor(w.w13.data[local], (len(local), 64, 64)), QTensor(w.w2.data[local], (len(local), 64, 32))
+        )
+        out = fused_moe(
+            full.x, (full.topk_ids, full.topk_weights), lw, config, backend="cpu", expert_map=par.expert_map(7)
+        )
+        total += out.double()
+    assert rel_error(total, full.reference()) <= 2e-2
+
+
+def test_router_weight_on_input():
+    config = MoEConfig(5, 1, 64, 32, apply_router_weight_on_input=True)
+    for kernel in KERNELS:
+        prob = make_problem(config, QuantScheme.fp8_per_token(), 9, seed=1)
+        out = _run(prob, *kernel)
+        assert rel_error(out, prob.reference()) <= tolerance(prob.scheme, config.dtype), kernel
+    # weighting on input is not the same function as weighting the output (silu is not linear)
+    off = moe_reference(
+        prob.x,
+        prob.topk_ids,
+        prob.topk_weights,
+        prob.weights,
+        config.replace(apply_router_weight_on_input=False),
+        prob.scheme,
+    )
+    assert rel_error(off, prob.reference()) > 0.05
+
+
+def test_shared_experts_hook_is_added():
+    config = MoEConfig(4, 2, 64, 32)
+    prob = make_problem(config, QuantScheme.unquantized(), 6, seed=3)
+    lin = torch.nn.Linear(64, 64, dtype=torch.bfloat16)
+    scheme = prob.scheme
+    k = MoEKernel(LocalDispatcher(config, scheme), CpuExperts(config, scheme), shared_experts=lin)
+    with torch.no_grad():
+        out = k(prob.x, TopK(prob.topk_ids, prob.topk_weights), prob.weights)
+        ref = prob.reference() + lin(prob.x).double()
+    assert rel_error(out, ref) <= 2e-2
+
+
+def test_layout_mismatch_is_refused():
+    config = MoEConfig(4, 2, 64, 32)
+    s = QuantScheme.unquantized()
+    with pytest.raises(UnsupportedError, match="batched token layout but experts 'cpu' take standard"):
+        MoEKernel(LocalBatchedDispatcher(config, s), CpuExperts(config, s))
+
+
+def test_standard_backend_under_batched_dispatcher_maps_to_its_twin():
+    config = MoEConfig(4, 2, 64, 32)
+    prob = make_problem(config, QuantScheme.unquantized(), 5, seed=8)
+    out = _run(prob, "local_batched", "reference")  # reference -> reference_batched
+    assert rel_error(out, prob.reference()) <= 2e-2
+    with pytest.raises(UnsupportedError, match="token layout batched not supported"):
+        _run(prob, "local_batched", "cpu")  # cpu has no batched twin
+
+
+def test_batched_capacity_overflow_raises():
+    config = MoEConfig(4, 1, 64, 32)
+    s = QuantScheme.unquantized()
+    prob = make_problem(config, s, 8, seed=0, routing="one_expert")
+    k = MoEKernel(LocalBatchedDispatcher(config, s, capacity=4), ReferenceBatchedExperts(config, s))
+    with pytest.raises(FusedMoEError, match="expected at most 4 tokens per expert, got 8"):
+        k(prob.x, TopK(prob.topk_ids, prob.topk_weights), prob.weights)
+
+
+def test_batched_dispatch_layout_invariants():
+    config = MoEConfig(5, 2, 64, 32)
+    s = QuantScheme.fp8_per_token()
+    prob = make_problem(config, s, 11, seed=6)
+    d = LocalBatchedDispatcher(config, s).dispatch(prob.x, TopK(prob.topk_ids, prob.topk_weights), prob.weights)
+    pair_token, pair_flat = d.ctx
+    assert int(d.counts.sum()) == 11 * 2
+    assert torch.equal(torch.bincount(prob.topk_ids.reshape(-1).long(), minlength=5).int(), d.counts)
+    # every pair appears exactly once, in its expert's row, with its own token's data and scale
+    flat = pair_flat[pair_flat >= 0]
+    assert torch.equal(flat.sort().values, torch.arange(22))
+    for e in range(5):
+        for slot in range(int(d.counts[e])):
+            f = int(pair_flat[e, slot])
+            assert int(prob.topk_ids.reshape(-1)[f]) == e and int(pair_token[e, slot]) == f // 2
+    ref_q = LocalDispatcher(config, s).dispatch(prob.x, TopK(prob.topk_ids, prob.topk_weights), prob.weights).a
+    e, slot = 2, 0
+    t = int(pair_token[e, slot])
+    assert torch.equal(d.a.data[e, slot].view(torch.uint8), ref_q.data[t].view(torch.uint8))
+    assert torch.equal(d.a.scale[e, slot], ref_q.scale[t])
+
+
+def test_cpu_backend_writes_every_output_element():
+    config = MoEConfig(5, 2, 64, 32)
+    s = QuantScheme.unquantized()
+    prob = make_problem(config, s, 7, seed=2, routing="skip_last")
+    d = LocalDispatcher(config, s).dispatch(prob.x, TopK(prob.topk_ids, prob.topk_weights), prob.weights)
+    for cls in (CpuExperts, LoopExperts, ReferenceExperts):
+        out = poison_(torch.empty(7, 64, dtype=torch.bfloat16))
+        cls(config, s).apply(d.a, d.topk, prob.weights, out)
+        assert torch.isfinite(out).all(), cls.name
