@@ -78,6 +78,14 @@ def _cmd_explain(args) -> int:
     return 0
 
 
+def _cmd_bench(args) -> int:
+    from .bench import run_bench
+
+    tokens = [int(t) for t in args.tokens.split(",")]
+    run_bench(args.preset.split(","), args.scheme.split(","), tokens, out_dir=args.out)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="fusedmoe", description="Fused Mixture-of-Experts kernels.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -106,6 +114,13 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--platform")
     e.add_argument("--packages", nargs="*", default=[])
     e.set_defaults(fn=_cmd_explain)
+
+    b = sub.add_parser("bench", help="time the layer against PyTorch grouped GEMM and the roofline (GPU)")
+    b.add_argument("--preset", default="mixtral-8x7b,qwen3-30b-a3b,deepseek-v3,gpt-oss-20b")
+    b.add_argument("--scheme", default="bf16,fp8_block")
+    b.add_argument("--tokens", default="1,16,64,256,1024,4096")
+    b.add_argument("--out", default=None)
+    b.set_defaults(fn=_cmd_bench)
 
     args = p.parse_args(argv)
     return args.fn(args)

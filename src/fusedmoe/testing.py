@@ -100,7 +100,8 @@ def random_topk(
     routing: 'random' | 'one_expert' (every token's first choice is expert 0) |
     'skip_last' (expert E-1 gets no token, needs K < E).
     """
-    scores = torch.rand(t, e, generator=generator)
+    dev = generator.device
+    scores = torch.rand(t, e, generator=generator, device=dev)
     if routing == "one_expert":
         scores[:, 0] = 2.0
     elif routing == "skip_last":
@@ -108,7 +109,7 @@ def random_topk(
     ids = scores.topk(k, dim=1).indices.to(torch.int32)
     # not renormalized: with K = 1 renormalized weights are all 1, which hides where
     # (input or output) a backend applies them
-    w = torch.rand(t, k, generator=generator) * 0.9 + 0.1
+    w = torch.rand(t, k, generator=generator, device=dev) * 0.9 + 0.1
     return ids, w.float()
 
 
@@ -129,37 +130,32 @@ def make_problem(
     Weights are N(0, 1/sqrt(fan_in)) so activations keep unit size through the layer.
     With ``expert_map``, weights exist for the ``num_local_experts`` local experts only.
     """
-    g = torch.Generator().manual_seed(seed)
+    dev = torch.device(device)
+    g = torch.Generator(device=dev).manual_seed(seed)
     e_glob, k, h, i = config.num_experts, config.top_k, config.hidden_size, config.intermediate_size
     e = num_local_experts or e_glob
     dt = config.dtype
     s1 = weight_scale or h**-0.5
     s2 = weight_scale or i**-0.5
-    w13 = (torch.randn(e, config.w13_rows, h, generator=g) * s1).to(dt)
-    w2 = (torch.randn(e, h, i, generator=g) * s2).to(dt)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, device=dev)
+
+    w13 = (randn(e, config.w13_rows, h) * s1).to(dt)
+    w2 = (randn(e, h, i) * s2).to(dt)
     b13 = b2 = None
     if config.has_bias:
-        b13 = (torch.randn(e, config.w13_rows, generator=g) * 0.1).to(dt)
-        b2 = (torch.randn(e, h, generator=g) * 0.1).to(dt)
-    x = torch.randn(t, h, generator=g).to(dt)
+        b13 = (randn(e, config.w13_rows) * 0.1).to(dt)
+        b2 = (randn(e, h) * 0.1).to(dt)
+    x = randn(t, h).to(dt)
     ids, w = random_topk(t, e_glob, k, g, routing)
-    weights = ExpertWeights.from_float(
-        w13.float(), w2.float(), scheme, b13=b13, b2=b2, calib_x=torch.randn(64, h, generator=g)
-    )
     if scheme.w1 is None:
         weights = ExpertWeights.from_float(w13, w2, scheme, b13=b13, b2=b2)
-    prob = Problem(config, scheme, x, ids, w, weights, expert_map)
-    if str(device) != "cpu":
-        prob = Problem(
-            config,
-            scheme,
-            x.to(device),
-            ids.to(device),
-            w.to(device),
-            weights.to(device),
-            None if expert_map is None else expert_map.to(device),
-        )
-    return prob
+    else:
+        weights = ExpertWeights.from_float(w13.float(), w2.float(), scheme, b13=b13, b2=b2, calib_x=randn(64, h))
+    if expert_map is not None:
+        expert_map = expert_map.to(dev)
+    return Problem(config, scheme, x, ids, w, weights, expert_map)
 
 
 @dataclass(frozen=True)

@@ -114,4 +114,8 @@ class Dispatcher:
             static["scale"] = scale
         if weights.a1_global_scale is not None:
             static["global_scale"] = weights.a1_global_scale
+        if x.is_cuda:  # one fused kernel instead of a chain of PyTorch ops
+            from ..kernels.act_quant import quantize_activations
+
+            return quantize_activations(x, tq, **static)
         return quantize(x, tq, **static)
