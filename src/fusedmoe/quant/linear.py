@@ -26,7 +26,7 @@ class _Linear:
 
     def scale_for(self, x: torch.Tensor, tq: TensorQuant) -> torch.Tensor:
         amax = group_amax(x, tq.granularity)
-        s = amax / self.qmax
+        s = amax / torch.full_like(amax, self.qmax)  # IEEE division on CUDA too (not * 1/qmax)
         return torch.where(amax > 0, s, torch.ones_like(s))
 
     def quantize(self, x, tq, *, scale=None, global_scale=None, g_idx=None) -> QTensor:
