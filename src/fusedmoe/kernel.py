@@ -73,11 +73,18 @@ class MoEKernel:
         """x [T, H] routed by ``topk`` -> [T, H] in x's dtype."""
         t = x.shape[0]
         out = torch.empty_like(x)
-        if t == 0:
+        distributed = self.dispatcher.distributed
+        if t == 0 and not distributed:
             return out
-        step = self.chunk_size or t
+        step = self.chunk_size or max(t, 1)
+        n_chunks = -(-t // step)
+        if distributed:
+            # every rank must join every collective: a rank with fewer (or no) tokens
+            # runs empty chunks until the rank with the most tokens is done
+            n_chunks = self.dispatcher.agree_num_chunks(max(n_chunks, 1))
         a1_scale = self._pinned_a1_scale(x, t)
-        for s in range(0, t, step):
+        for c in range(n_chunks):
+            s = min(c * step, t)
             e = min(t, s + step)
             xc = x[s:e]
             tk = TopK(topk.ids[s:e], topk.weights[s:e])

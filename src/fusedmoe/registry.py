@@ -17,7 +17,13 @@ _EXPERT_MODULES = (
     "fusedmoe.experts.triton",
     "fusedmoe.experts.external",
 )
-_DISPATCH_MODULES = ("fusedmoe.dispatch.local", "fusedmoe.dispatch.external")
+_DISPATCH_MODULES = (
+    "fusedmoe.dispatch.local",
+    "fusedmoe.dispatch.allgather",
+    "fusedmoe.dispatch.all2all",
+    "fusedmoe.dispatch.low_latency",
+    "fusedmoe.dispatch.external",
+)
 
 _EXPERTS: dict[str, type] = {}
 _DISPATCHERS: dict[str, type] = {}

@@ -68,6 +68,10 @@ class Dispatcher:
         self.scheme = scheme
         self.parallel = parallel or ParallelConfig()
 
+    def agree_num_chunks(self, n: int) -> int:
+        """The number of chunks every rank runs (the maximum over ranks for distributed ones)."""
+        return n
+
     def max_tokens_per_rank(self, num_tokens: int) -> int:
         """Rows per expert the batched layout must hold (an upper bound)."""
         return num_tokens

@@ -13,32 +13,6 @@ from .base import Dispatcher
 _GPU = frozenset({"cuda"})
 
 
-class AllGatherReduceScatterDispatcher(Dispatcher):
-    name = "allgather_reducescatter"
-    layout = TokenLayout.STANDARD
-    distributed = True
-    implemented = False
-    note = "expert-parallel dispatchers are not implemented yet"
-    seed_names = ("naive",)
-
-
-class All2AllDispatcher(Dispatcher):
-    name = "all2all"
-    layout = TokenLayout.STANDARD
-    distributed = True
-    quantize_before_exchange = False
-    implemented = False
-    note = "expert-parallel dispatchers are not implemented yet"
-
-
-class All2AllLowLatencyDispatcher(Dispatcher):
-    name = "all2all_low_latency"
-    layout = TokenLayout.BATCHED
-    distributed = True
-    implemented = False
-    note = "expert-parallel dispatchers are not implemented yet"
-
-
 class DeepEPHighThroughputDispatcher(Dispatcher):
     name = "deepep_high_throughput"
     layout = TokenLayout.STANDARD

@@ -1,0 +1,482 @@
+"""Expert-parallel plumbing over ``torch.distributed``: groups, placement, set-up checks, packed rows.
+
+The EP dispatchers (``dispatch/allgather.py``, ``dispatch/all2all.py``,
+``dispatch/low_latency.py``) share these pieces:
+
+- ``init_ep``: ``init_process_group`` with a timeout (NCCL on GPUs, gloo on
+  CPUs), so a rank that never arrives makes the others fail after
+  ``timeout_s`` instead of waiting forever. ``barrier`` is a monitored barrier
+  on gloo (it names the rank that did not arrive).
+- ``ep_group(parallel, group)``: the EP process group (WORLD unless given),
+  checked against ``ParallelConfig`` (group size == ep_size, rank == ep_rank).
+- ``ExpertPlacement``: global expert -> (owning rank, local id), linear or
+  round robin, uneven splits exactly as ``ParallelConfig.local_experts``.
+- ``check_layer_agreement``: one all-gather of a 64-bit fingerprint per rank
+  (MoEConfig fields, QuantScheme operands, ParallelConfig sizes, dispatcher
+  name and options). On a mismatch every rank also all-gathers the fields
+  themselves and raises the same ``FusedMoEError`` naming each field that
+  differs and its value on each rank; since all ranks raise together, none is
+  left waiting in the next collective with a buffer of the wrong size.
+- ``RowLayout``: several per-row tensors (activations, their scales, top-k ids
+  and weights, headers) packed into one uint8 [N, B] buffer, so each exchange
+  is one collective of plain bytes. fp8 and e8m0 values travel as bytes (gloo
+  rejects fp8 dtypes: "Invalid scalar type").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .config import MoEConfig, ParallelConfig
+from .dispatch.base import Dispatcher
+from .errors import FusedMoEError, expect
+from .experts.base import WeightedReduce
+from .metadata import TopK
+from .quant import QTensor, QuantScheme
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+# ---- process groups --------------------------------------------------------
+def init_ep(
+    backend: str | None = None,
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    init_method: str | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+) -> tuple[int, int]:
+    """Initialise the default process group (from torchrun's environment unless given); returns (rank, world).
+
+    backend: 'nccl' when CUDA is available, else 'gloo'. With NCCL the current
+    CUDA device is set to LOCAL_RANK first. Does nothing if already initialised.
+    """
+    if not dist.is_initialized():
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        kw = {}
+        if rank is not None:
+            kw.update(rank=rank, world_size=world_size)
+        dist.init_process_group(backend, init_method=init_method, timeout=datetime.timedelta(seconds=timeout_s), **kw)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def ep_group(parallel: ParallelConfig, group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
+    """The process group of the EP ranks (``group`` or WORLD), checked against ``parallel``."""
+    expect(
+        dist.is_available() and dist.is_initialized(),
+        "torch.distributed",
+        "an initialised process group (call fusedmoe.distributed.init_ep or torch.distributed.init_process_group)",
+        "not initialised",
+    )
+    group = group or dist.group.WORLD
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    expect(size == parallel.ep_size, "ParallelConfig.ep_size", f"the EP process group size ({size})", parallel.ep_size)
+    expect(
+        rank == parallel.ep_rank,
+        "ParallelConfig.ep_rank",
+        f"this process's rank in the EP group ({rank})",
+        parallel.ep_rank,
+    )
+    return group
+
+
+def comm_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where tensors handed to ``group``'s collectives must live (CUDA for NCCL)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def barrier(group: dist.ProcessGroup | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """A barrier that fails after ``timeout_s``: monitored on gloo (names the missing rank);
+    on NCCL a plain barrier, bounded by the process group's timeout (``init_ep``)."""
+    if dist.get_backend(group) == "gloo":
+        dist.monitored_barrier(group, timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True)
+    else:
+        dist.barrier(group)
+
+
+# The ``*_single`` names replace the ``*_tensor`` ones in torch 2.13 (the old names warn there);
+# torch 2.11 may have only the old ones.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def nonempty(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or for a 0-row ``t`` a 0-row view of a 1-row allocation: NCCL is then never handed a
+    null buffer (a rank with no token still joins every exchange)."""
+    if t.shape[0]:
+        return t
+    return torch.empty((1, *t.shape[1:]), dtype=t.dtype, device=t.device)[:0]
+
+
+def all_gather_rows(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """out [W * N, ...] = concatenation of every rank's inp [N, ...]."""
+    _all_gather(out, inp, group=group)
+
+
+def reduce_scatter_rows(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """out [N, ...] = sum over ranks of this rank's block of inp [W * N, ...]."""
+    _reduce_scatter(out, inp, op=dist.ReduceOp.SUM, group=group)
+
+
+# ---- expert placement --------------------------------------------------------
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """Which rank owns each global expert, and its local id there.
+
+    owner:        [E] owning rank of each global expert.
+    local_id:     [E] index of the expert among its owner's experts.
+    local_counts: [W] experts per rank (uneven splits: the first ranks get one more).
+    """
+
+    num_experts: int
+    ep_size: int
+    placement: str
+    owner: tuple[int, ...]
+    local_id: tuple[int, ...]
+    local_counts: tuple[int, ...]
+
+    @classmethod
+    def of(cls, num_experts: int, parallel: ParallelConfig) -> ExpertPlacement:
+        owner = [-1] * num_experts
+        local_id = [-1] * num_experts
+        counts = []
+        for r in range(parallel.ep_size):
+            mine = dataclasses.replace(parallel, ep_rank=r).local_experts(num_experts)
+            counts.append(len(mine))
+            for i, e in enumerate(mine):
+                owner[e], local_id[e] = r, i
+        return cls(num_experts, parallel.ep_size, parallel.placement, tuple(owner), tuple(local_id), tuple(counts))
+
+    def experts_of(self, rank: int) -> list[int]:
+        """Global ids owned by ``rank``, in local-id order."""
+        mine = [e for e in range(self.num_experts) if self.owner[e] == rank]
+        return sorted(mine, key=lambda e: self.local_id[e])
+
+    def owner_tensor(self, device) -> torch.Tensor:
+        return torch.tensor(self.owner, dtype=torch.long, device=device)
+
+    def local_id_tensor(self, device) -> torch.Tensor:
+        return torch.tensor(self.local_id, dtype=torch.long, device=device)
+
+
+def shard_experts(weights, experts: Sequence[int]):
+    """The slice of full ``ExpertWeights`` [E, ...] holding ``experts`` (global ids, in local order).
+
+    Per-expert tensors (leading dim E) are indexed; shared ones (static activation
+    scales, a tensor-wide scale of size 1) pass through.
+    """
+    e_all = weights.num_experts
+    idx = torch.tensor(list(experts), dtype=torch.long, device=weights.device)
+
+    def pick(t):
+        if t is None or t.dim() == 0 or t.shape[0] != e_all:
+            return t
+        return t.index_select(0, idx)
+
+    def pick_q(q: QTensor) -> QTensor:
+        return QTensor(
+            pick(q.data),
+            (len(experts), *q.shape[1:]),
+            scale=pick(q.scale),
+            zero=pick(q.zero),
+            global_scale=pick(q.global_scale),
+            g_idx=pick(q.g_idx),
+        )
+
+    return dataclasses.replace(
+        weights, w13=pick_q(weights.w13), w2=pick_q(weights.w2), b13=pick(weights.b13), b2=pick(weights.b2)
+    )
+
+
+# ---- set-up agreement check --------------------------------------------------
+def layer_fingerprint(
+    config: MoEConfig, scheme: QuantScheme, parallel: ParallelConfig, dispatcher: str, options: dict | None = None
+) -> dict[str, str]:
+    """The fields every EP rank must agree on, by name (rank-specific fields left out)."""
+    fp = {f"MoEConfig.{f.name}": repr(getattr(config, f.name)) for f in dataclasses.fields(config)}
+    fp.update({f"QuantScheme.{f.name}": repr(getattr(scheme, f.name)) for f in dataclasses.fields(scheme)})
+    for f in ("tp_size", "ep_size", "dp_size", "placement"):
+        fp[f"ParallelConfig.{f}"] = repr(getattr(parallel, f))
+    fp["dispatcher"] = repr(dispatcher)
+    for k, v in sorted((options or {}).items()):
+        fp[f"dispatcher.{k}"] = repr(v)
+    return fp
+
+
+def _digest(fp: dict[str, str]) -> int:
+    text = "\n".join(f"{k}={v}" for k, v in sorted(fp.items()))
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
+
+
+def check_layer_agreement(
+    config: MoEConfig,
+    scheme: QuantScheme,
+    parallel: ParallelConfig,
+    dispatcher: str,
+    group: dist.ProcessGroup,
+    options: dict | None = None,
+) -> None:
+    """Raise ``FusedMoEError`` on every rank unless all ranks of ``group`` built the same layer.
+
+    One all-gather of int64 [W] (a host sync; run once at set-up). On a mismatch,
+    a second all-gather of the fields builds a message naming what differs.
+    """
+    fp = layer_fingerprint(config, scheme, parallel, dispatcher, options)
+    dev = comm_device(group)
+    world = dist.get_world_size(group)
+    mine = torch.tensor([_digest(fp)], dtype=torch.int64, device=dev)
+    every = torch.empty(world, dtype=torch.int64, device=dev)
+    all_gather_rows(every, mine, group)
+    if len(set(every.tolist())) == 1:
+        return
+    fps: list = [None] * world
+    dist.all_gather_object(fps, fp, group=group)
+    keys = sorted(set().union(*(f.keys() for f in fps)))
+    diffs = []
+    for k in keys:
+        vals = [f.get(k, "<missing>") for f in fps]
+        if len(set(vals)) > 1:
+            diffs.append(f"{k}: " + ", ".join(f"rank {r}={v}" for r, v in enumerate(vals)))
+    raise FusedMoEError(
+        f"layer configuration differs between the {world} EP ranks ({'; '.join(diffs)}); every rank must build "
+        "the layer with the same MoEConfig, QuantScheme, ParallelConfig sizes and dispatcher"
+    )
+
+
+# ---- packed rows ---------------------------------------------------------------
+_ALIGN = 16
+
+
+@dataclass(frozen=True)
+class RowField:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]  # per row
+    offset: int  # bytes from the start of the row
+    nbytes: int
+
+
+class RowLayout:
+    """Byte layout of one row of a packed exchange buffer (uint8 [N, row_bytes]).
+
+    Each field starts at a multiple of 16 bytes and the row is padded to 16, so
+    typed views of a field are plain strided views (no copy).
+    """
+
+    def __init__(self, fields: Sequence[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
+        out, off = [], 0
+        for name, dtype, shape in fields:
+            n = 1
+            for d in shape:
+                n *= d
+            nb = n * torch.empty((), dtype=dtype).element_size()
+            out.append(RowField(name, dtype, tuple(shape), off, nb))
+            off += -(-nb // _ALIGN) * _ALIGN
+        self.fields = {f.name: f for f in out}
+        self.row_bytes = max(off, _ALIGN)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.fields
+
+    def empty(self, n: int, device) -> torch.Tensor:
+        """uint8 [n, row_bytes] (a view of one row when n is 0: see ``nonempty``)."""
+        return torch.empty(max(n, 1), self.row_bytes, dtype=torch.uint8, device=device)[:n]
+
+    def raw(self, buf: torch.Tensor, name: str) -> torch.Tensor:
+        """Field ``name`` of every row of ``buf`` as uint8 [N, nbytes]."""
+        f = self.fields[name]
+        return buf[:, f.offset : f.offset + f.nbytes]
+
+    def view(self, buf: torch.Tensor, name: str) -> torch.Tensor:
+        """Field ``name`` of every row of ``buf`` as a typed [N, *shape] view."""
+        f = self.fields[name]
+        v = buf[:, f.offset : f.offset + f.nbytes].view(f.dtype)
+        return v.view(buf.shape[0], *f.shape)
+
+    def pack(self, buf: torch.Tensor, **tensors: torch.Tensor) -> torch.Tensor:
+        """Copy each named [N, *shape] tensor into its field of ``buf``; returns ``buf``."""
+        for name, t in tensors.items():
+            self.view(buf, name).copy_(t.reshape(t.shape[0], *self.fields[name].shape))
+        return buf
+
+    def unpack(self, buf: torch.Tensor, *names: str) -> list[torch.Tensor]:
+        """Contiguous copies of the named fields of ``buf``."""
+        return [self.view(buf, n).contiguous() for n in names]
+
+
+# ---- the base of the EP dispatchers ---------------------------------------------
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+class EPDispatcher(Dispatcher):
+    """What the EP dispatchers share: the group, the expert placement, the set-up check,
+    the wire format of the (quantized) activations, and input checks.
+
+    Construction is collective: every rank of the group must construct the same
+    dispatcher (``verify=True`` runs ``check_layer_agreement`` there, once).
+    """
+
+    distributed = True
+    topk_id_dtype = torch.int32
+
+    def __init__(
+        self,
+        config: MoEConfig,
+        scheme: QuantScheme,
+        parallel: ParallelConfig | None = None,
+        *,
+        group: dist.ProcessGroup | None = None,
+        verify: bool = True,
+    ) -> None:
+        super().__init__(config, scheme, parallel)
+        self.group = ep_group(self.parallel, group)
+        self.world = self.parallel.ep_size
+        self.rank = self.parallel.ep_rank
+        self.placement = ExpertPlacement.of(config.num_experts, self.parallel)
+        self.num_local_experts = self.placement.local_counts[self.rank]
+        self.device = comm_device(self.group)
+        self._templates: dict = {}
+        self._checked_map = None
+        # bytes this rank hands to the last dispatch's and combine's collectives, counted as the
+        # input of an all-to-all (an all-gather of n bytes = W * n); host ints, known without a sync
+        self.wire_bytes: tuple[int, int] = (0, 0)
+        if verify:
+            check_layer_agreement(config, scheme, self.parallel, self.name, self.group, self.options())
+
+    def agree_num_chunks(self, n: int) -> int:
+        """Max of ``n`` over the EP group (one small all-reduce; syncs the host)."""
+        t = torch.tensor([n], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return int(t.item())
+
+    def options(self) -> dict:
+        """Constructor options every rank must agree on (part of the set-up check)."""
+        return {}
+
+    # ---- quantization around the exchange ---------------------------------
+    def quantizes_before(self) -> bool:
+        """Whether this instance sends quantized activations (class default, refined per scheme).
+
+        A per-tensor *dynamic* a1 scale is never computed before the exchange: rows of
+        different ranks would carry different scales, which one tensor scale cannot hold.
+        """
+        tq = self.scheme.a1
+        if tq is None:
+            return False
+        if tq.granularity.kind == "tensor" and tq.dynamic:
+            return False
+        return self.quantize_before_exchange
+
+    def _row_scales(self) -> bool:
+        tq = self.scheme.a1
+        return tq is not None and tq.granularity.kind != "tensor"
+
+    def _template(self, weights, device) -> tuple[list, torch.Tensor | None, torch.Tensor | None]:
+        """(wire fields of one quantized row, the shared scale, the global scale), from one probe row."""
+        key = (device, self.quantizes_before())
+        if key not in self._templates:
+            h, k = self.config.hidden_size, self.config.top_k
+            if self.quantizes_before():
+                probe = self.quantize_input(
+                    torch.ones(1, h, dtype=self.config.dtype, device=device),
+                    TopK(
+                        torch.zeros(1, k, dtype=torch.int32, device=device),
+                        torch.ones(1, k, dtype=torch.float32, device=device),
+                    ),
+                    weights,
+                )
+                fields = [("data", probe.data.dtype, tuple(probe.data.shape[1:]))]
+                shared = None
+                if self._row_scales():
+                    fields.append(("scale", probe.scale.dtype, tuple(probe.scale.shape[1:])))
+                else:
+                    shared = probe.scale
+                self._templates[key] = (fields, shared, probe.global_scale)
+            else:
+                self._templates[key] = ([("x", self.config.dtype, (h,))], None, None)
+        return self._templates[key]
+
+    def quantize_rows(self, x: torch.Tensor, topk: TopK, weights, a1_scale=None) -> QTensor:
+        """``quantize_input`` (every format quantizes zero rows too: a rank may hold or
+        receive no token, and its experts still get correctly shaped, empty scales)."""
+        return self.quantize_input(x, topk, weights, a1_scale)
+
+    def wire_tensors(self, a: QTensor | None, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The activation fields a row carries: quantized data (+ row scales), or x itself."""
+        if not self.quantizes_before():
+            return {"x": x}
+        out = {"data": a.data}
+        if self._row_scales():
+            out["scale"] = a.scale
+        return out
+
+    def received(self, parts: dict[str, torch.Tensor], weights, shape: tuple[int, ...]) -> QTensor:
+        """QTensor of logical ``shape`` from received fields ('data' [+ 'scale'] when quantized before)."""
+        _, shared, gscale = self._template(weights, parts[next(iter(parts))].device)
+        if "data" in parts:
+            return QTensor(parts["data"], shape, scale=parts.get("scale", shared), global_scale=gscale)
+        return QTensor(parts["x"], shape)
+
+    # ---- checks ------------------------------------------------------------------
+    def check_inputs(
+        self, x: torch.Tensor, topk: TopK, weights, expert_map: torch.Tensor | None, *, need_map: bool
+    ) -> None:
+        """Host-side shape checks, and (once per expert_map tensor, off CUDA-graph capture) its values."""
+        h, k = self.config.hidden_size, self.config.top_k
+        expect(x.dim() == 2 and x.shape[1] == h, "x", f"[T, {h}]", tuple(x.shape))
+        expect(tuple(topk.ids.shape) == (x.shape[0], k), "topk.ids", f"[{x.shape[0]}, {k}]", tuple(topk.ids.shape))
+        if x.device.type != self.device.type:
+            expect(
+                False, "x.device", f"a {self.device.type} tensor for the {dist.get_backend(self.group)} group", x.device
+            )
+        expect(
+            weights.num_experts == self.num_local_experts,
+            "weights",
+            f"the {self.num_local_experts} local experts of EP rank {self.rank} "
+            f"({self.parallel.placement} placement; see fusedmoe.distributed.shard_experts)",
+            weights.num_experts,
+        )
+        if expert_map is None:
+            expect(
+                not need_map,
+                "expert_map",
+                "parallel.expert_map(num_experts): the experts must skip pairs of other ranks",
+                None,
+            )
+            return
+        if expert_map is self._checked_map or _capturing(expert_map.device):
+            return
+        want = self.parallel.expert_map(self.config.num_experts, expert_map.device)
+        if not torch.equal(expert_map.to(want.dtype), want):
+            where = f"ParallelConfig.expert_map(...) of EP rank {self.rank} ({self.parallel.placement} placement)"
+            expect(False, "expert_map", where, expert_map.tolist())
+        self._checked_map = expert_map
+
+    def local_pair_rows(
+        self, y: torch.Tensor, topk: TopK, expert_map: torch.Tensor, reduce: WeightedReduce
+    ) -> torch.Tensor:
+        """Standard layout: the experts' output -> [N, H] summed over this rank's pairs, in y's dtype.
+
+        With ``WeightedReduce.NONE`` the experts already did it; otherwise y is
+        [N, K, H] and pairs of other ranks' experts are masked out before the sum.
+        """
+        if reduce is WeightedReduce.NONE:
+            return y
+        mine = expert_map.long()[topk.ids.long()] >= 0
+        yf = torch.where(mine.unsqueeze(-1), y.float(), 0.0)
+        if reduce is WeightedReduce.WEIGHT_AND_SUM and not self.config.apply_router_weight_on_input:
+            yf = yf * topk.weights.float().unsqueeze(-1)
+        return yf.sum(dim=1).to(y.dtype)

@@ -1,0 +1,211 @@
+"""Expert parallelism over gloo: every EP dispatcher on 2 and 4 CPU ranks against the float64 reference.
+
+Each multi-process test forks one world (fork start: ~0.02 s against ~3-6 s
+for spawn on 2 cores), on a fresh free port, with timeouts on the process
+group, the result queue and the joins, and runs a group of checks from
+``fusedmoe.ep_check`` (the same code scripts/ep_suite.sh runs under NCCL).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import socket
+import traceback
+import warnings
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from fusedmoe import ep_check
+from fusedmoe.config import MoEConfig, ParallelConfig
+from fusedmoe.distributed import ExpertPlacement, RowLayout, layer_fingerprint, shard_experts
+from fusedmoe.quant import QuantScheme
+from fusedmoe.testing import make_problem
+
+WORLD_TIMEOUT_S = 90
+GROUP_SCALED = {"fp8_block", "int8_w8a8_block", "mxfp4_mxfp8", "nvfp4"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cases(dev):
+    return [ep_check.run_case(case, dev) for case in ep_check.cpu_cases(torch.distributed.get_world_size())]
+
+
+def _bench_smoke(dev, out_dir):
+    from fusedmoe import bench_ep
+
+    rc = bench_ep.main(["--preset", "tiny", "--tokens", "0,1,7", "--iters", "1", "--out", str(out_dir)])
+    return rc
+
+
+def _barrier_job(dev):
+    """Rank 1 never arrives: rank 0's barrier must fail within its timeout, naming rank 1."""
+    from fusedmoe.distributed import barrier
+
+    barrier(timeout_s=30)  # both arrive
+    if torch.distributed.get_rank() == 1:
+        return "skipped"
+    try:
+        barrier(timeout_s=2)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def _worker(rank: int, world: int, port: int, job, args, q) -> None:
+    import torch.distributed as dist
+
+    from fusedmoe.distributed import init_ep
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    try:
+        torch.set_num_threads(1)
+        init_ep("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout_s=60)
+        out = job(torch.device("cpu"), *args)
+        q.put((rank, "ok", out))
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except BaseException:
+        q.put((rank, "error", traceback.format_exc()))
+    finally:
+        q.close()
+        q.join_thread()
+        os._exit(0)
+
+
+def _run_world(world: int, job, *args) -> list:
+    """Fork ``world`` ranks running ``job(device, *args)``; returns each rank's result (index = rank)."""
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, job, args, q), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    got: dict = {}
+    try:
+        for _ in range(world):
+            rank, status, out = q.get(timeout=WORLD_TIMEOUT_S)
+            got[rank] = (status, out)
+    except queue.Empty:
+        pass
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+    missing = sorted(set(range(world)) - set(got))
+    assert not missing, f"ranks {missing} did not report within {WORLD_TIMEOUT_S}s (hang?); got {got}"
+    errors = {r: out for r, (s, out) in got.items() if s != "ok"}
+    assert not errors, "\n".join(f"rank {r}:\n{tb}" for r, tb in errors.items())
+    return [got[r][1] for r in range(world)]
+
+
+# ---- multi-process ------------------------------------------------------------------
+@pytest.mark.parametrize("world", [2, 4])
+def test_ep_dispatchers_match_reference(world):
+    """allgather_reducescatter and all2all with reference/cpu experts, all2all_low_latency with
+    reference_batched, x bf16/fp8_token/fp8_block; tokens (5, 0) / (3, 0, 8, 1); 7 experts on 2 and 4
+    ranks, linear / round-robin; plus the router weight on the input, and on 2 ranks the other wire
+    formats (static fp8 tensor scale, int8 groups, MXFP8, NVFP4)."""
+    per_rank = _run_world(world, _cases)
+    labels = {r.label for r in per_rank[0]}
+    assert len(labels) == len(ep_check.cpu_cases(world))
+    assert {c.split("+")[0] for c in labels} == set(ep_check.DISPATCHERS)
+    bad = [f"rank {r.rank} {r.label}: {r.detail}" for rank in per_rank for r in rank if not r.ok]
+    assert not bad, "\n".join(bad)
+    assert any(r.rows == 0 for r in per_rank[1]), "one rank must hold no token"
+    for r in per_rank[0]:
+        dname, scheme = r.label.split("+")[0], r.label.split("/")[1]
+        # all2all sends the model dtype unless a1 has group/block scales; the others send a1's format
+        want = scheme != "bf16" and (dname != "all2all" or scheme in GROUP_SCALED)
+        assert r.extra["quantized_before_exchange"] == want, r.label
+
+
+def test_config_mismatch_raises_on_every_rank():
+    per_rank = _run_world(2, ep_check.check_mismatch)
+    for rank, got in enumerate(per_rank):
+        msg = got["hidden_size"]
+        assert "MoEConfig.hidden_size" in msg and "rank 0=64" in msg and "rank 1=96" in msg, (rank, msg)
+        assert "top_k" not in msg, msg  # only what differs is named
+        assert "dispatcher.capacity" in got["capacity"] and "rank 1=5" in got["capacity"], got["capacity"]
+        assert "ParallelConfig.ep_size" in got["ep_size"], got["ep_size"]
+        assert got["agree"] == "ok"
+
+
+def test_low_latency_capacity_overflow_is_reported():
+    per_rank = _run_world(2, ep_check.check_overflow)
+    for got in per_rank:
+        assert "capacity=2" in got["eager"] and "needed 6" in got["eager"], got["eager"]
+        assert got["flag"] == 6
+        assert "capacity=2" in got["check"] and "needed 6" in got["check"], got["check"]
+        assert got["fits"]["ok"], got["fits"]
+
+
+def test_bench_ep_runs_on_gloo(tmp_path):
+    """The benchmark program end to end at a tiny shape (timings meaningless; the GPU suite measures)."""
+    assert _run_world(2, _bench_smoke, tmp_path) == [0, 0]
+    data = json.loads((tmp_path / "bench_ep_w2.json").read_text())
+    rows = data["rows"]
+    assert len(rows) == 2 * 3 * 3 and not [r for r in rows if "error" in r], rows
+    assert all(r["dispatch_MB"] >= 0 and r["dispatch_us"] > 0 for r in rows)
+    assert (tmp_path / "bench_ep_w2.md").read_text().count("| all2all_low_latency |") == 6
+
+
+def test_barrier_times_out_naming_the_missing_rank():
+    got = _run_world(2, _barrier_job)
+    assert got[1] == "skipped"
+    assert re.search(r"Ranks? 1\b", got[0]) and "monitoredBarrier" in got[0], got[0]
+
+
+# ---- single process ------------------------------------------------------------------
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("placement", ["linear", "round_robin"])
+def test_placement_matches_parallel_config(world, placement):
+    e = 7
+    pl = ExpertPlacement.of(e, ParallelConfig(ep_size=world, placement=placement))
+    assert sum(pl.local_counts) == e and max(pl.local_counts) - min(pl.local_counts) == 1
+    for r in range(world):
+        par = ParallelConfig(ep_size=world, ep_rank=r, placement=placement)
+        assert pl.experts_of(r) == par.local_experts(e)
+        emap = par.expert_map(e)
+        for g in range(e):
+            assert (pl.owner[g] == r) == (emap[g] >= 0)
+            if pl.owner[g] == r:
+                assert pl.local_id[g] == emap[g]
+
+
+def test_row_layout_round_trips_fp8_and_ints():
+    lay = RowLayout([("data", torch.float8_e4m3fn, (5,)), ("scale", torch.float32, (2,)), ("ids", torch.int32, (3,))])
+    assert lay.row_bytes % 16 == 0
+    data = torch.randn(4, 5).to(torch.float8_e4m3fn)
+    scale, ids = torch.rand(4, 2), torch.randint(0, 9, (4, 3), dtype=torch.int32)
+    buf = lay.pack(lay.empty(4, "cpu"), data=data, scale=scale, ids=ids)
+    d2, s2, i2 = lay.unpack(buf[torch.tensor([0, 1, 2, 3])], "data", "scale", "ids")
+    assert torch.equal(d2.view(torch.uint8), data.view(torch.uint8))
+    assert torch.equal(s2, scale) and torch.equal(i2, ids)
+
+
+def test_shard_experts_keeps_per_expert_scales():
+    config, scheme = MoEConfig(7, 2, 128, 64), QuantScheme.fp8_block()
+    w = make_problem(config, scheme, 1).weights
+    part = shard_experts(w, [6, 2])
+    assert part.num_experts == 2
+    assert torch.equal(part.w13.data.view(torch.uint8), w.w13.data[[6, 2]].view(torch.uint8))
+    assert torch.equal(part.w2.scale, w.w2.scale[[6, 2]])
+
+
+def test_fingerprint_leaves_out_rank_fields():
+    c, s = MoEConfig(7, 2, 64, 32), QuantScheme.unquantized()
+    a = layer_fingerprint(c, s, ParallelConfig(ep_size=2, ep_rank=0), "all2all")
+    b = layer_fingerprint(c, s, ParallelConfig(ep_size=2, ep_rank=1), "all2all")
+    assert a == b and "MoEConfig.hidden_size" in a and "ParallelConfig.ep_size" in a
