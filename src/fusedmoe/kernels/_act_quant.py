@@ -1,0 +1,234 @@
+"""Triton kernels of ``act_quant.py``: activation (optional) + dynamic quantization of rows.
+
+One kernel, ``_act_quant_kernel``; a program owns BM rows and BK output columns
+(token scales: all columns, in two sweeps, the first for the row amax). Values
+are computed in fp32 from the input and quantized exactly as ``fusedmoe.quant``
+does: the same fp32 operations in the same order, IEEE division (``div_rn``; a
+plain ``/`` is approximate on NVIDIA GPUs) where PyTorch divides, round half to even.
+
+Per-tensor dynamic scales take two launches over the same grid (CUDA-graph safe:
+a memset, two kernels, no host sync): PASS 1 folds each tile's amax into one fp32
+with ``atomic_max``, PASS 2 reads it and quantizes.
+
+Under the interpreter (EXACT_CAST) fp32 -> e4m3 and fp32 -> bf16 are encoded by
+hand with integer arithmetic, because the interpreter's casts truncate or drop
+mantissa carries; on the GPU the hardware conversions (round to nearest even,
+saturating) give the same bytes.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+FP8_MAX: tl.constexpr = tl.constexpr(448.0)
+INT8_MAX: tl.constexpr = tl.constexpr(127.0)
+
+
+@triton.jit
+def _round_half_even(y):
+    """round(y) with ties to even, as torch.round (exact for |y| < 2^22)."""
+    f = tl.floor(y)
+    d = y - f
+    odd = (f - 2.0 * tl.floor(f * 0.5)) != 0.0
+    return f + tl.where((d > 0.5) | ((d == 0.5) & odd), 1.0, 0.0)
+
+
+@triton.jit
+def _e4m3_bits(y, EXACT_CAST: tl.constexpr):
+    """e4m3fn byte (uint8) of y in [-448, 448], rounded to nearest even."""
+    if EXACT_CAST:
+        a = tl.abs(y)
+        bits = a.to(tl.int32, bitcast=True)
+        r = bits + 0x7FFFF + ((bits >> 20) & 1)  # round the fp32 mantissa to 3 bits
+        normal = (((r >> 23) - 120) << 3) | ((r >> 20) & 7)  # rebias exponent 127 -> 7
+        sub = _round_half_even(a * 512.0).to(tl.int32)  # below 2^-6: multiples of 2^-9
+        code = tl.where(a < 0.015625, sub, normal)
+        sign = (y.to(tl.int32, bitcast=True) >> 31) & 1
+        return (code | (sign << 7)).to(tl.uint8)
+    else:
+        return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+
+
+@triton.jit
+def _e2m1_code(y):
+    """e2m1 code of y: round to nearest, ties to the even code, saturate at 6 (quant.fp4)."""
+    m = tl.abs(y)
+    c = (m > 0.25).to(tl.int32) + (m >= 0.75).to(tl.int32) + (m > 1.25).to(tl.int32)
+    c += (m >= 1.75).to(tl.int32) + (m > 2.5).to(tl.int32) + (m >= 3.5).to(tl.int32)
+    c += (m > 5.0).to(tl.int32)
+    sign = (y.to(tl.int32, bitcast=True) >> 31) & 1
+    return c | (sign << 3)
+
+
+@triton.jit
+def _store_float(ptr, v, mask, EXACT_CAST: tl.constexpr):
+    if EXACT_CAST and ptr.dtype.element_ty == tl.bfloat16:
+        bits = v.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        tl.store(ptr, bits.to(tl.int16).to(tl.bfloat16, bitcast=True), mask=mask)
+    else:
+        tl.store(ptr, v.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _activation(x_ptr, rows, cols, mask, stride_xm, I, alpha, limit, ACT: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """fp32 [BM, BK]: the activation of output columns ``cols`` (``fusedmoe.activations``)."""
+    base = x_ptr + rows[:, None].to(tl.int64) * stride_xm
+    if ACT == "none" or ACT == "silu_no_mul" or ACT == "gelu_no_mul" or ACT == "relu2_no_mul":
+        h = tl.load(base + cols[None, :], mask=mask, other=0).to(tl.float32)
+        if ACT == "silu_no_mul":
+            h = h * tl.sigmoid(h)
+        elif ACT == "gelu_no_mul":
+            h = 0.5 * h * (1.0 + tl.erf(h * 0.7071067811865476))
+        elif ACT == "relu2_no_mul":
+            h = tl.maximum(h, 0.0)
+            h = h * h
+        return h
+    else:
+        if INTERLEAVED:
+            g_off, u_off = 2 * cols, 2 * cols + 1
+        else:
+            g_off, u_off = cols, I + cols
+        gate = tl.load(base + g_off[None, :], mask=mask, other=0).to(tl.float32)
+        up = tl.load(base + u_off[None, :], mask=mask, other=0).to(tl.float32)
+        if ACT == "silu":
+            out = gate * tl.sigmoid(gate) * up
+        elif ACT == "gelu":
+            out = 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476)) * up
+        elif ACT == "gelu_tanh":
+            z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+            z = tl.minimum(tl.maximum(z, -15.0), 15.0)  # tanh(15) is 1 in fp32; avoids exp overflow
+            out = 0.5 * gate * (2.0 * tl.sigmoid(2.0 * z)) * up  # 1 + tanh(z) = 2 sigmoid(2z)
+        else:  # swigluoai
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+            out = (up + 1.0) * gate * tl.sigmoid(alpha * gate)
+        return out
+
+
+@triton.jit
+def _quant_linear(v, s, QUANT: tl.constexpr, EXACT_CAST: tl.constexpr):
+    """fp8 (as uint8 bytes) or int8 codes of v / s (quant.linear)."""
+    y = tl.math.div_rn(v, s)
+    if QUANT == "fp8":
+        return _e4m3_bits(tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX), EXACT_CAST)
+    else:
+        return tl.minimum(tl.maximum(_round_half_even(y), -INT8_MAX - 1.0), INT8_MAX).to(tl.int8)
+
+
+@triton.jit
+def _scale_of(amax, QUANT: tl.constexpr, RECIPROCAL: tl.constexpr):
+    """amax / QMAX (1 where amax is 0), rounded as the reference rounds it on this device.
+
+    ``quant.linear`` divides by a Python number; PyTorch's CUDA kernels turn that into a
+    multiply by the fp32 reciprocal (1 ulp off a true division for ~half the inputs), its
+    CPU kernels divide. RECIPROCAL is set for CUDA tensors.
+    """
+    qmax = FP8_MAX if QUANT == "fp8" else INT8_MAX
+    if RECIPROCAL:
+        s = amax * (1.0 / qmax)
+    else:
+        s = tl.math.div_rn(amax, tl.zeros_like(amax) + qmax)
+    return tl.where(amax > 0, s, 1.0)
+
+
+@triton.jit
+def _act_quant_kernel(
+    x_ptr,  # [M, I] input (or [M, 2I] gate/up)
+    q_ptr,  # [M, I] output: model dtype, fp8 bytes, int8; nvfp4 packed [M, I/2]
+    s_ptr,  # scales: [1] tensor, [M, 1] token, [M, G] group (fp32, e8m0 or e4m3 bytes)
+    gs_ptr,  # nvfp4 global scale [1]
+    amax_ptr,  # [1] fp32, zeroed: the running amax of per-tensor dynamic scales
+    M,
+    I,
+    stride_xm,
+    stride_qm,
+    stride_sm,
+    alpha,
+    limit,
+    ACT: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    QUANT: tl.constexpr,  # "none" | "fp8" | "int8" | "mxfp8" | "nvfp4"
+    SCALE: tl.constexpr,  # "none" | "tensor_static" | "tensor_dyn" | "token" | "group"
+    GROUP: tl.constexpr,
+    PASS: tl.constexpr,
+    EXACT_CAST: tl.constexpr,
+    RECIPROCAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    q_row = q_ptr + rows[:, None].to(tl.int64) * stride_qm
+    s_row = s_ptr + rows.to(tl.int64) * stride_sm
+
+    if SCALE == "token":
+        amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            mask = row_ok[:, None] & (cols < I)[None, :]
+            v = _activation(x_ptr, rows, cols, mask, stride_xm, I, alpha, limit, ACT, INTERLEAVED)
+            amax = tl.maximum(amax, tl.max(tl.where(mask, tl.abs(v), 0.0), axis=1))
+        s = _scale_of(amax, QUANT, RECIPROCAL)
+        tl.store(s_row, s, mask=row_ok)
+        for k0 in range(0, I, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            mask = row_ok[:, None] & (cols < I)[None, :]
+            v = _activation(x_ptr, rows, cols, mask, stride_xm, I, alpha, limit, ACT, INTERLEAVED)
+            tl.store(q_row + cols[None, :], _quant_linear(v, s[:, None], QUANT, EXACT_CAST), mask=mask)
+    else:
+        cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask = row_ok[:, None] & (cols < I)[None, :]
+        v = _activation(x_ptr, rows, cols, mask, stride_xm, I, alpha, limit, ACT, INTERLEAVED)
+        if QUANT == "none":
+            _store_float(q_row + cols[None, :], v, mask, EXACT_CAST)
+        elif SCALE == "tensor_dyn" and PASS == 1:
+            # max is order-independent, so the atomic leaves a deterministic result
+            tl.atomic_max(amax_ptr, tl.max(tl.max(tl.where(mask, tl.abs(v), 0.0), axis=1), axis=0))
+        elif SCALE == "tensor_dyn" or SCALE == "tensor_static":
+            if SCALE == "tensor_static":
+                s = tl.load(s_ptr)
+            else:
+                s = _scale_of(tl.load(amax_ptr), QUANT, RECIPROCAL)
+                if (pid_m == 0) & (pid_k == 0):
+                    tl.store(s_ptr, s)
+            tl.store(q_row + cols[None, :], _quant_linear(v, s, QUANT, EXACT_CAST), mask=mask)
+        else:
+            # 1 x GROUP groups; BLOCK_K is a multiple of GROUP, so a tile holds whole groups.
+            NG: tl.constexpr = BLOCK_K // GROUP
+            v3 = tl.reshape(tl.where(mask, v, 0.0), [BLOCK_M, NG, GROUP])
+            amax = tl.max(tl.abs(v3), axis=2)
+            gcols = pid_k * NG + tl.arange(0, NG)
+            s_mask = row_ok[:, None] & (gcols < tl.cdiv(I, GROUP))[None, :]
+            s_ptrs = s_row[:, None] + gcols[None, :]
+            if QUANT == "fp8" or QUANT == "int8":
+                s = _scale_of(amax, QUANT, RECIPROCAL)
+                tl.store(s_ptrs, s, mask=s_mask)
+                q = tl.reshape(_quant_linear(v3, s[:, :, None], QUANT, EXACT_CAST), [BLOCK_M, BLOCK_K])
+                tl.store(q_row + cols[None, :], q, mask=mask)
+            elif QUANT == "mxfp8":
+                # e8m0 code of 2^(floor(log2 amax) - 8); floor(log2) is amax's exponent field
+                # (a subnormal amax clamps to code 0, as frexp's exponent would); 0 -> 127.
+                e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127 - 8
+                code = tl.where(amax > 0, tl.minimum(tl.maximum(e, -127), 127) + 127, 127)
+                tl.store(s_ptrs, code.to(tl.uint8), mask=s_mask)
+                inv = ((254 - code) << 23).to(tl.float32, bitcast=True)  # 2^(127 - code), exact
+                y = tl.minimum(tl.maximum(v3 * inv[:, :, None], -FP8_MAX), FP8_MAX)
+                q = tl.reshape(_e4m3_bits(y, EXACT_CAST), [BLOCK_M, BLOCK_K])
+                tl.store(q_row + cols[None, :], q, mask=mask)
+            else:  # nvfp4: e4m3 block scale over a given fp32 global scale, e2m1 codes
+                gs = tl.load(gs_ptr)
+                sb = tl.math.div_rn(amax, tl.zeros_like(amax) + 6.0 * gs)
+                sb_bits = _e4m3_bits(tl.minimum(sb, 448.0), EXACT_CAST)
+                tl.store(s_ptrs, sb_bits, mask=s_mask)
+                d = sb_bits.to(tl.float8e4nv, bitcast=True).to(tl.float32) * gs
+                d3 = tl.zeros_like(v3) + d[:, :, None]
+                y = tl.where(d3 > 0, tl.math.div_rn(v3, tl.where(d3 > 0, d3, 1.0)), 0.0)
+                code = tl.reshape(_e2m1_code(y), [BLOCK_M, BLOCK_K // 2, 2])
+                lo, hi = tl.split(code)
+                pcols = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+                p_mask = row_ok[:, None] & (pcols < I // 2)[None, :]
+                tl.store(q_row + pcols[None, :], (lo | (hi << 4)).to(tl.uint8), mask=p_mask)

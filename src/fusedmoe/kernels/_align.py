@@ -1,0 +1,125 @@
+"""Triton kernels of ``moe_align`` (see ``align.py`` for the contract).
+
+Three launches, no host synchronisation:
+
+1. ``_align_count_kernel``  (one program per CHUNK pairs): per-chunk histogram of
+   local experts; also fills every slot of ``sorted_ids`` with the padding
+   sentinel (grid-stride, so the fill is spread over all programs).
+2. ``_align_offsets_kernel`` (one program): totals, padded run starts, the
+   number of used slots, ``block_expert``, and for every chunk the base slot of
+   each expert's pairs in that chunk.
+3. ``_align_scatter_kernel`` (one program per chunk): sorts the chunk's pairs by
+   (expert, flat index) and writes each to ``base[chunk, expert] + rank``.
+
+Pairs of one expert land in increasing flat-index order: chunks are laid out
+in order by the prefix sums of (2) and each chunk is sorted by index in (3).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _local_expert(topk_ids_ptr, expert_map_ptr, offs, num_pairs, E_G, E_L, HAS_MAP: tl.constexpr, BINS: tl.constexpr):
+    """Local expert of each flat pair index in ``offs``; BINS - 1 for a non-local pair or past the end."""
+    ok = offs < num_pairs
+    e = tl.load(topk_ids_ptr + offs, mask=ok, other=-1)
+    if HAS_MAP:
+        in_range = ok & (e >= 0) & (e < E_G)
+        e = tl.load(expert_map_ptr + e, mask=in_range, other=-1)
+    return tl.where((e >= 0) & (e < E_L), e, BINS - 1)
+
+
+@triton.jit
+def _align_count_kernel(
+    topk_ids_ptr,
+    expert_map_ptr,
+    chunk_counts_ptr,  # int32 [num_chunks, BINS]
+    sorted_ids_ptr,  # int32 [P]
+    num_pairs,
+    num_slots,
+    E_G,
+    E_L,
+    HAS_MAP: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BINS: tl.constexpr,
+    FILL: tl.constexpr,
+):
+    c = tl.program_id(0)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    e = _local_expert(topk_ids_ptr, expert_map_ptr, offs, num_pairs, E_G, E_L, HAS_MAP, BINS)
+    bins = tl.arange(0, BINS)
+    tl.store(chunk_counts_ptr + c * BINS + bins, tl.histogram(e, BINS))
+    sentinel = tl.zeros([FILL], dtype=tl.int32) + num_pairs
+    for s in range(c * FILL, num_slots, tl.num_programs(0) * FILL):
+        o = s + tl.arange(0, FILL)
+        tl.store(sorted_ids_ptr + o, sentinel, mask=o < num_slots)
+
+
+@triton.jit
+def _align_offsets_kernel(
+    chunk_counts_ptr,  # int32 [num_chunks, BINS]
+    chunk_base_ptr,  # int32 [num_chunks, BINS] out
+    expert_counts_ptr,  # int32 [E_L] out
+    num_padded_ptr,  # int32 [1] out
+    block_expert_ptr,  # int32 [num_blocks] out
+    num_chunks,
+    num_blocks,
+    E_L,
+    BLOCK_M: tl.constexpr,
+    BINS: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
+    bins = tl.arange(0, BINS)
+    is_expert = bins < E_L
+    total = tl.zeros([BINS], dtype=tl.int32)
+    for c in range(num_chunks):
+        total += tl.load(chunk_counts_ptr + c * BINS + bins)
+    total = tl.where(is_expert, total, 0)
+    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    end = tl.cumsum(padded, 0)
+    num_padded = tl.sum(padded, 0)
+    tl.store(expert_counts_ptr + bins, total, mask=is_expert)
+    tl.store(num_padded_ptr, num_padded)
+
+    # base[c, e] = (first slot of e) + (pairs of e in earlier chunks) - (first position of e
+    # in chunk c sorted by expert); the scatter adds the sorted position.
+    run = end - padded
+    for c in range(num_chunks):
+        cnt = tl.where(is_expert, tl.load(chunk_counts_ptr + c * BINS + bins), 0)
+        tl.store(chunk_base_ptr + c * BINS + bins, run - (tl.cumsum(cnt, 0) - cnt))
+        run += cnt
+
+    # The expert of the block starting at slot s is the number of runs that end at or before s
+    # (padding bins have end == num_padded, so they never count for s < num_padded).
+    for b0 in range(0, num_blocks, BLOCK_B):
+        b = b0 + tl.arange(0, BLOCK_B)
+        s = b * BLOCK_M
+        ex = tl.sum((end[None, :] <= s[:, None]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + b, tl.where(s < num_padded, ex, -1), mask=b < num_blocks)
+
+
+@triton.jit
+def _align_scatter_kernel(
+    topk_ids_ptr,
+    expert_map_ptr,
+    chunk_base_ptr,  # int32 [num_chunks, BINS]
+    sorted_ids_ptr,  # int32 [P]
+    num_pairs,
+    E_G,
+    E_L,
+    HAS_MAP: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BINS: tl.constexpr,
+):
+    c = tl.program_id(0)
+    i = tl.arange(0, CHUNK)
+    e = _local_expert(topk_ids_ptr, expert_map_ptr, c * CHUNK + i, num_pairs, E_G, E_L, HAS_MAP, BINS)
+    # Sorting (expert, index) keys gives each pair's position among the chunk's pairs of its
+    # expert without a CHUNK x CHUNK comparison; keys < BINS * CHUNK <= 2^21 fit int32.
+    key = tl.sort(e * CHUNK + i)
+    e_s = key // CHUNK
+    dest = tl.load(chunk_base_ptr + c * BINS + e_s) + i
+    tl.store(sorted_ids_ptr + dest, c * CHUNK + key % CHUNK, mask=e_s < E_L)

@@ -1,0 +1,279 @@
+"""The fused MoE grouped GEMM (see ``grouped_gemm.py`` for the contract).
+
+One program computes a BM x BN tile of C = A_rows @ W[e]^T for one expert e:
+
+    standard layout: the tile's rows are the BM slots of one aligned block;
+                     expert e = block_expert[b] (-1: nothing to do), A row =
+                     sorted_id // a_div, C row = sorted_id (padding slots: none)
+    batched layout:  rows m0..m0+BM of expert e's [M_max, K] slab, up to counts[e]
+
+Operands meet the tensor cores in one of two ways (constexpr ``NATIVE``):
+
+* w8a8 (fp8 x fp8, int8 x int8): the stored bytes go to ``tl.dot``; scales that
+  vary along K (1 x g activation groups, bn x bk weight blocks) multiply each
+  K step's partial product (BK divides the group, so one scale per step), the
+  others (tensor, token, channel) multiply the accumulator once at the end.
+* everything else: both tiles are dequantized in registers to DOT_DTYPE (the
+  model dtype, bf16 for quantized activations, fp32 under the interpreter whose
+  bf16 dot is wrong) with per-K scales folded in; e2m1 x e8m0/e4m3 and e4m3 x
+  e8m0 products are exact in bf16, so only int4 and folded fp8/int8 group
+  scales round there. Tensor/channel/global scales multiply at the end.
+
+Then bias, then the router weight, then one store in C's dtype.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._common import e2m1_to_f32, e8m0_to_f32, unpack_nibbles
+
+
+@triton.jit
+def _decode_scale(s, FMT: tl.constexpr):
+    """A stored scale as float32: e8m0 codes for MX formats, e4m3 (as uint8) for NVFP4, else fp32."""
+    if FMT == "mxfp8" or FMT == "mxfp4":
+        return e8m0_to_f32(s)
+    elif FMT == "nvfp4":
+        return s.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        return s.to(tl.float32)
+
+
+@triton.jit
+def _k_scales(
+    row_ptrs, row_ok, k0, KD, stride_k, FMT: tl.constexpr, GROUP: tl.constexpr, R: tl.constexpr, BLOCK_K: tl.constexpr
+):
+    """fp32 scales of an [R, BLOCK_K] tile at column k0 whose columns share one per GROUP.
+
+    Shaped to broadcast against the tile: [R, 1] when a K step lies in one group, else
+    [R, BLOCK_K] from BLOCK_K / GROUP loads per row (a gather only for groups that are
+    not a power of 2 apart from BLOCK_K).
+    """
+    if GROUP % BLOCK_K == 0:
+        s = tl.load(row_ptrs + (k0 // GROUP) * stride_k, mask=row_ok, other=0)
+        return _decode_scale(s, FMT)[:, None]
+    elif BLOCK_K % GROUP == 0:
+        NG: tl.constexpr = BLOCK_K // GROUP
+        g = k0 // GROUP + tl.arange(0, NG)
+        s = tl.load(
+            row_ptrs[:, None] + g[None, :] * stride_k, mask=row_ok[:, None] & (g * GROUP < KD)[None, :], other=0
+        )
+        s = _decode_scale(s, FMT)
+        return tl.reshape(tl.broadcast_to(s[:, :, None], [R, NG, GROUP]), [R, BLOCK_K])
+    else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask = row_ok[:, None] & (offs_k < KD)[None, :]
+        return _decode_scale(
+            tl.load(row_ptrs[:, None] + (offs_k // GROUP)[None, :] * stride_k, mask=mask, other=0), FMT
+        )
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    a_ptr,
+    a_scale_ptr,
+    a_gscale_ptr,
+    w_ptr,
+    w_scale_ptr,
+    w_zero_ptr,
+    w_gscale_ptr,
+    w_gidx_ptr,
+    bias_ptr,
+    route_w_ptr,
+    c_ptr,
+    sorted_ids_ptr,
+    block_expert_ptr,
+    counts_ptr,
+    N,
+    KD,
+    num_pairs,
+    a_div,
+    m_max,
+    blocks_per_expert,
+    num_m_blocks,
+    stride_ae,
+    stride_am,
+    stride_ak,
+    stride_ase,
+    stride_asm,
+    stride_ask,
+    stride_age,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_wse,
+    stride_wsn,
+    stride_wsk,
+    stride_ge,
+    stride_gk,
+    stride_be,
+    stride_bn,
+    stride_re,
+    stride_rm,
+    stride_ce,
+    stride_cm,
+    stride_cn,
+    BATCHED: tl.constexpr,
+    A_FMT: tl.constexpr,  # "float" | "fp8" | "int8" | "mxfp8" | "nvfp4"
+    A_GROUP: tl.constexpr,  # 0: one scale per row (tensor/token), else 1 x A_GROUP groups
+    W_FMT: tl.constexpr,  # "float" | "fp8" | "int8" | "int4" | "mxfp4" | "nvfp4"
+    W_BN: tl.constexpr,  # 0, 0: one scale per column (tensor/channel); else W_BN x W_BK blocks
+    W_BK: tl.constexpr,
+    ACT_ORDER: tl.constexpr,  # the group of W column k is g_idx[e, k], not k // W_BK
+    HAS_ZERO: tl.constexpr,  # int4 zero points (else the symmetric 8)
+    HAS_A_GSCALE: tl.constexpr,
+    HAS_W_GSCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    NATIVE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    # Walk GROUP_M row tiles per column tile so consecutive programs share W[e] in L2.
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_m_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+
+    if BATCHED:
+        e = pid_m // blocks_per_expert
+        m0 = (pid_m % blocks_per_expert) * BLOCK_M
+        count = tl.minimum(tl.load(counts_ptr + e), m_max)
+        if m0 >= count:
+            return
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < count
+        a_rows = offs_m.to(tl.int64)
+        c_rows = a_rows
+    else:
+        e = tl.load(block_expert_ptr + pid_m)
+        if e < 0:
+            return
+        ids = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        row_ok = ids < num_pairs
+        a_rows = (ids // a_div).to(tl.int64)
+        c_rows = ids.to(tl.int64)
+    e = e.to(tl.int64)
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    a_row_ptr = a_ptr + e * stride_ae + a_rows * stride_am
+    as_row_ptr = a_scale_ptr + e * stride_ase + a_rows * stride_asm
+    w_base = w_ptr + e * stride_we
+    ws_base = w_scale_ptr + e * stride_wse
+    wz_base = w_zero_ptr + e * stride_wse  # zero points share the scale's shape and strides
+    A_PACKED: tl.constexpr = A_FMT == "nvfp4"
+    W_PACKED: tl.constexpr = W_FMT == "int4" or W_FMT == "mxfp4" or W_FMT == "nvfp4"
+    A_PER_K: tl.constexpr = A_GROUP > 0
+    W_PER_K: tl.constexpr = W_BK > 0
+    INT_ACC: tl.constexpr = NATIVE and W_FMT == "int8" and not A_PER_K and not W_PER_K
+    if INT_ACC:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+
+    for k0 in range(0, KD, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < KD
+        # ---- A tile [BM, BK]
+        if A_PACKED:
+            a = e2m1_to_f32(unpack_nibbles(a_row_ptr, row_ok, k0, KD, stride_ak, BLOCK_M, BLOCK_K))
+        else:
+            a = tl.load(a_row_ptr[:, None] + offs_k[None, :] * stride_ak, mask=row_ok[:, None] & k_ok[None, :], other=0)
+            if A_FMT == "fp8" or A_FMT == "mxfp8":
+                a = a.to(tl.float8e4nv, bitcast=True)  # e4m3 arrives as uint8: masked loads need other=0
+        if not NATIVE:
+            if A_PER_K:
+                s_a = _k_scales(as_row_ptr, row_ok, k0, KD, stride_ask, A_FMT, A_GROUP, BLOCK_M, BLOCK_K)
+                a = (a.to(tl.float32) * s_a).to(DOT_DTYPE)
+            else:
+                a = a.to(DOT_DTYPE)
+        # ---- W tile [BK, BN] of W[e], stored [N, K]
+        if NATIVE or W_FMT == "float":
+            b = tl.load(
+                w_base + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn,
+                mask=k_ok[:, None] & n_ok[None, :],
+                other=0,
+            )
+            if W_FMT == "fp8":
+                b = b.to(tl.float8e4nv, bitcast=True)
+            if not NATIVE:
+                b = b.to(DOT_DTYPE)
+        else:
+            # Dequantized as stored, [BN, BK] with K contiguous (vector loads of whole bytes),
+            # then transposed for the dot.
+            w_rows = w_base + offs_n * stride_wn
+            if W_PACKED:
+                wt = unpack_nibbles(w_rows, n_ok, k0, KD, stride_wk, BLOCK_N, BLOCK_K)
+                if W_FMT == "int4":
+                    wt = wt.to(tl.float32)
+                else:
+                    wt = e2m1_to_f32(wt)
+            else:
+                wt = tl.load(w_rows[:, None] + offs_k[None, :] * stride_wk, mask=n_ok[:, None] & k_ok[None, :], other=0)
+                if W_FMT == "fp8":
+                    wt = wt.to(tl.float8e4nv, bitcast=True)
+                wt = wt.to(tl.float32)
+            if W_PER_K:
+                ws_rows = ws_base + (offs_n // W_BN) * stride_wsn
+                wz_rows = wz_base + (offs_n // W_BN) * stride_wsn
+                if ACT_ORDER:
+                    gk = tl.load(w_gidx_ptr + e * stride_ge + offs_k * stride_gk, mask=k_ok, other=0)
+                    g_mask = n_ok[:, None] & k_ok[None, :]
+                    s_w = _decode_scale(
+                        tl.load(ws_rows[:, None] + gk[None, :] * stride_wsk, mask=g_mask, other=0), W_FMT
+                    )
+                    if HAS_ZERO:
+                        wt -= tl.load(wz_rows[:, None] + gk[None, :] * stride_wsk, mask=g_mask, other=0).to(tl.float32)
+                else:
+                    s_w = _k_scales(ws_rows, n_ok, k0, KD, stride_wsk, W_FMT, W_BK, BLOCK_N, BLOCK_K)
+                    if HAS_ZERO:
+                        wt -= _k_scales(wz_rows, n_ok, k0, KD, stride_wsk, "zero", W_BK, BLOCK_N, BLOCK_K)
+                if W_FMT == "int4" and not HAS_ZERO:
+                    wt -= 8.0
+                wt = wt * s_w
+            b = tl.trans(wt.to(DOT_DTYPE))
+        # ---- multiply-accumulate
+        if NATIVE and (A_PER_K or W_PER_K):
+            if W_FMT == "int8":
+                part = tl.dot(a, b, out_dtype=tl.int32).to(tl.float32)
+            else:
+                part = tl.dot(a, b)
+            if A_PER_K:
+                part *= tl.load(as_row_ptr + (k0 // A_GROUP) * stride_ask, mask=row_ok, other=0)[:, None]
+            if W_PER_K:
+                s_blk = tl.load(ws_base + (offs_n // W_BN) * stride_wsn + (k0 // W_BK) * stride_wsk, mask=n_ok, other=0)
+                part *= s_blk[None, :]
+            acc += part
+        elif INT_ACC:
+            acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+        elif DOT_DTYPE == tl.float32:
+            # fp32 operands (fp32 models, the interpreter): full precision, not tf32 (~1e-3).
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+
+    # ---- epilogue: remaining scales, bias, router weight, store
+    acc = acc.to(tl.float32)
+    if (A_FMT == "fp8" or A_FMT == "int8") and not A_PER_K:
+        acc *= tl.load(as_row_ptr, mask=row_ok, other=0)[:, None]
+    if W_FMT != "float" and not W_PER_K:
+        acc *= tl.load(ws_base + offs_n * stride_wsn, mask=n_ok, other=0)[None, :]
+    if HAS_W_GSCALE:
+        acc *= tl.load(w_gscale_ptr + e)
+    if HAS_A_GSCALE:
+        acc *= tl.load(a_gscale_ptr + e * stride_age)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + e * stride_be + offs_n * stride_bn, mask=n_ok, other=0).to(tl.float32)[None, :]
+    if MUL_ROUTED_WEIGHT:
+        acc *= tl.load(route_w_ptr + e * stride_re + c_rows * stride_rm, mask=row_ok, other=0)[:, None]
+    c_ptrs = c_ptr + e * stride_ce + c_rows[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])

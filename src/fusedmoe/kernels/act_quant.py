@@ -1,0 +1,263 @@
+"""Dynamic activation quantization, alone or fused with the activation between the GEMMs.
+
+    quantize_activations(x [M, K], tq)         -> QTensor   (the GEMM1 input)
+    act_and_quantize(h [M, 2I], config, tq)    -> QTensor   (the GEMM2 input)
+                                               -> [M, I] in the model dtype when tq is None
+
+Formats (as ``fusedmoe.quant`` stores them; the kernels produce the same bytes on a GPU):
+
+    fp8 / int8, tensor (dynamic, or static with a given scale), token, group(g)
+    mxfp8   e4m3 [M, K] + e8m0 uint8 [M, K/32]
+    nvfp4   packed e2m1 uint8 [M, K/2] + e4m3 [M, K/16], over a *given* fp32 global scale
+
+Fusing the activation saves writing and re-reading the [M, I] intermediate in the
+model dtype (2 bytes per element each way) and one launch. The references are
+``fusedmoe.quant.quantize`` and ``fusedmoe.activations.apply_activation`` themselves.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from ..activations import apply_activation
+from ..config import Activation, MoEConfig
+from ..errors import expect
+from ..quant import QDtype, QTensor, TensorQuant, quantize
+from ._act_quant import _act_quant_kernel
+from ._common import interpreting
+
+_QUANT = {QDtype.FP8: "fp8", QDtype.INT8: "int8", QDtype.MXFP8: "mxfp8", QDtype.NVFP4: "nvfp4"}
+_NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _tiles(scale_kind: str, group: int, m: int) -> tuple[int, int]:
+    """(BM, BK). Memory-bound: a GPU program moves 8 x 256 values (4 KiB of bf16 in);
+    the interpreter pays ~5 ms per program, so it takes whole tiny problems at once."""
+    if interpreting():
+        bm, bk = 32, 128
+    else:
+        bm, bk = (4, 512) if scale_kind == "token" else (8, 256)
+    if group:
+        bk = max(bk, group)
+    return bm, bk
+
+
+def _kind(tq: TensorQuant | None, scale: torch.Tensor | None) -> tuple[str, str, int]:
+    """(quant, scale kind, group) of the kernel for ``tq``."""
+    if tq is None:
+        return "none", "none", 0
+    expect(tq.dtype in _QUANT, "tq.dtype", f"one of {list(_QUANT)} for activations", tq.dtype)
+    quant = _QUANT[tq.dtype]
+    g = tq.granularity
+    if quant in ("mxfp8", "nvfp4"):
+        return quant, "group", g.group_size
+    if g.kind == "tensor":
+        if not tq.dynamic:
+            expect(scale is not None, "scale", f"a static scale for {tq.short}")
+            return quant, "tensor_static", 0
+        return quant, "tensor_dyn", 0
+    if g.kind == "token":
+        return quant, "token", 0
+    expect(g.kind == "group", "tq.granularity", "tensor, token or group for activations", g)
+    gs = g.group_size
+    expect(gs >= 2 and gs & (gs - 1) == 0, "group size", "a power of 2 for the kernel", gs)
+    return quant, "group", gs
+
+
+def act_quant_launch(
+    x: torch.Tensor,
+    tq: TensorQuant | None,
+    *,
+    activation: str = "none",
+    interleaved: bool = False,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    scale: torch.Tensor | None = None,
+    global_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    out: QTensor | torch.Tensor | None = None,
+) -> QTensor | torch.Tensor:
+    """Launch ``_act_quant_kernel`` (twice for per-tensor dynamic scales).
+
+    ``activation`` is an ``Activation`` value or "none" (plain quantization of ``x``).
+    ``out``: buffers to write (what this function returns; allocated when None).
+    """
+    expect(x.dim() == 2, "x", "a [M, K] tensor", tuple(x.shape))
+    expect(x.dtype in _NATIVE_DTYPES, "x", f"one of {_NATIVE_DTYPES}", x.dtype)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    gated = activation != "none" and Activation(activation).is_gated
+    m, cols = x.shape[0], x.shape[1] // 2 if gated else x.shape[1]
+    if gated:
+        expect(x.shape[1] % 2 == 0, "x", "an even number of columns [M, 2I] for a gated activation", x.shape)
+    quant, kind, group = _kind(tq, scale)
+    dev = x.device
+    data_dtype = {"none": out_dtype or x.dtype, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
+    data_dtype.update(mxfp8=torch.float8_e4m3fn, nvfp4=torch.uint8)
+    if quant in ("mxfp8", "nvfp4"):
+        expect(cols % group == 0, "x", f"a multiple of {group} columns for {quant}", cols)
+    data_shape = (m, cols // 2 if quant == "nvfp4" else cols)
+    data = torch.empty(data_shape, dtype=data_dtype[quant], device=dev) if out is None else _data(out)
+    expect(
+        tuple(data.shape) == data_shape and data.dtype == data_dtype[quant],
+        "out",
+        f"{data_shape} {data_dtype[quant]}",
+        data,
+    )
+    gscale = None
+    if quant == "nvfp4":
+        expect(global_scale is not None, "global_scale", "the static fp32 global scale of nvfp4 activations")
+        gscale = global_scale.reshape(1).float().contiguous()
+    if quant == "none":
+        s_out = None
+    elif kind == "tensor_static":
+        s_out = scale.reshape(1, 1).float().contiguous()  # read, not written
+    else:
+        s_dtype = {"mxfp8": torch.uint8, "nvfp4": torch.float8_e4m3fn}.get(quant, torch.float32)
+        s_shape = {"tensor_dyn": (1, 1), "token": (m, 1)}.get(kind, (m, triton.cdiv(cols, max(group, 1))))
+        s_out = torch.empty(s_shape, dtype=s_dtype, device=dev) if out is None else out.scale
+        expect(tuple(s_out.shape) == s_shape and s_out.dtype == s_dtype, "out.scale", f"{s_shape} {s_dtype}", s_out)
+    if (m == 0 or cols == 0) and kind == "tensor_dyn":
+        s_out.fill_(1.0)  # the amax of nothing is 0, whose scale is 1 (quant.linear)
+    if m > 0 and cols > 0:
+        bm, bk = _tiles(kind, group, m)
+        grid = (triton.cdiv(m, bm), 1 if kind == "token" else triton.cdiv(cols, bk))
+        amax = torch.zeros(1, dtype=torch.float32, device=dev) if kind == "tensor_dyn" else data
+        s_arg = data if s_out is None else s_out.view(torch.uint8) if s_out.dtype == torch.float8_e4m3fn else s_out
+        q_arg = data.view(torch.uint8) if data.dtype == torch.float8_e4m3fn else data
+        args = (
+            x,
+            q_arg,
+            s_arg,
+            data if gscale is None else gscale,
+            amax,
+            m,
+            cols,
+            x.stride(0),
+            q_arg.stride(0),
+            0 if s_out is None or s_out.shape[0] == 1 else s_out.stride(0),
+            alpha,
+            limit,
+        )
+        meta = dict(
+            ACT=activation,
+            INTERLEAVED=interleaved,
+            QUANT=quant,
+            SCALE=kind,
+            GROUP=group,
+            EXACT_CAST=interpreting(),
+            RECIPROCAL=x.is_cuda,
+            BLOCK_M=bm,
+            BLOCK_K=bk,
+            num_warps=4,
+        )
+        if kind == "tensor_dyn":
+            _act_quant_kernel[grid](*args, PASS=1, **meta)
+        _act_quant_kernel[grid](*args, PASS=2, **meta)
+    if quant == "none":
+        return data
+    return QTensor(
+        data=data, shape=(m, cols), scale=s_out, global_scale=None if gscale is None else gscale.reshape(1, 1)
+    )
+
+
+def _data(out: QTensor | torch.Tensor) -> torch.Tensor:
+    return out.data if isinstance(out, QTensor) else out
+
+
+def _fill(out: QTensor | torch.Tensor | None, res: QTensor | torch.Tensor) -> QTensor | torch.Tensor:
+    """Copy a reference result into caller-given buffers (the CPU path honours ``out``)."""
+    if out is None:
+        return res
+    if isinstance(res, torch.Tensor):
+        return out.copy_(res)
+    out.data.copy_(res.data)
+    if out.scale is not None and out.scale.shape == res.scale.shape:
+        out.scale.copy_(res.scale)
+        return QTensor(out.data, res.shape, scale=out.scale, global_scale=res.global_scale)
+    return QTensor(out.data, res.shape, scale=res.scale, global_scale=res.global_scale)
+
+
+def _use_kernel(x: torch.Tensor) -> bool:
+    return x.device.type != "cpu" or interpreting()
+
+
+def quantize_activations(
+    x: torch.Tensor,
+    tq: TensorQuant,
+    *,
+    scale: torch.Tensor | None = None,
+    global_scale: torch.Tensor | None = None,
+    out: QTensor | None = None,
+) -> QTensor:
+    """Quantize rows ``x`` [M, K] as ``tq`` says (dynamic scales computed on the device).
+
+    ``scale``: the static per-tensor scale when ``tq`` is not dynamic; ``global_scale``:
+    the NVFP4 global scale (required for nvfp4); ``out``: buffers to fill. On the CPU
+    without the interpreter this is ``quantize_activations_ref``.
+    """
+    if not _use_kernel(x):
+        return _fill(out, quantize_activations_ref(x, tq, scale=scale, global_scale=global_scale))
+    return act_quant_launch(x, tq, scale=scale, global_scale=global_scale, out=out)
+
+
+def quantize_activations_ref(
+    x: torch.Tensor,
+    tq: TensorQuant,
+    *,
+    scale: torch.Tensor | None = None,
+    global_scale: torch.Tensor | None = None,
+) -> QTensor:
+    """``fusedmoe.quant.quantize`` with the scales a kernel would use."""
+    static = {}
+    if scale is not None and not tq.dynamic:
+        static["scale"] = scale
+    if global_scale is not None:
+        static["global_scale"] = global_scale
+    return quantize(x, tq, **static)
+
+
+def act_and_quantize(
+    h: torch.Tensor,
+    config: MoEConfig,
+    tq: TensorQuant | None,
+    *,
+    scale: torch.Tensor | None = None,
+    global_scale: torch.Tensor | None = None,
+    out: QTensor | torch.Tensor | None = None,
+) -> QTensor | torch.Tensor:
+    """``config.activation`` of GEMM1's output ``h`` [M, 2I] (or [M, I] for *_no_mul), then
+    quantized as ``tq`` (the scheme's a2) says; with ``tq`` None, [M, I] in ``config.dtype``.
+
+    The activation runs in fp32 and is quantized without an intermediate rounding to
+    the model dtype.
+    """
+    if not _use_kernel(h):
+        return _fill(out, act_and_quantize_ref(h, config, tq, scale=scale, global_scale=global_scale))
+    return act_quant_launch(
+        h,
+        tq,
+        activation=config.activation.value,
+        interleaved=config.gate_up_interleaved,
+        alpha=config.swiglu_alpha,
+        limit=config.swiglu_limit,
+        scale=scale,
+        global_scale=global_scale,
+        out_dtype=config.dtype,
+        out=out,
+    )
+
+
+def act_and_quantize_ref(
+    h: torch.Tensor,
+    config: MoEConfig,
+    tq: TensorQuant | None,
+    *,
+    scale: torch.Tensor | None = None,
+    global_scale: torch.Tensor | None = None,
+) -> QTensor | torch.Tensor:
+    """``apply_activation`` in fp32, then ``quantize_activations_ref`` (or a cast to the model dtype)."""
+    a = apply_activation(h.float(), config)
+    if tq is None:
+        return a.to(config.dtype)
+    return quantize_activations_ref(a, tq, scale=scale, global_scale=global_scale)

@@ -1,0 +1,178 @@
+"""Group (token, k) pairs by local expert and pad each expert's run to BM: ``moe_align``.
+
+    topk_ids [T, K] --(expert_map)--> local expert per pair (or not local)
+      -> counts per local expert, runs padded to BM, laid out in expert order
+      -> sorted_ids [P]: the flat index t*K + k of the pair in each slot (T*K = padding)
+      -> block_expert [P / BM]: the local expert of each BM block (-1 past the end)
+
+Everything stays on the device: P = ``AlignedRouting.max_padded(T*K, E_l, BM)`` is an
+upper bound known on the host, the used length ``num_padded`` is a device tensor. The
+grouped GEMM skips blocks whose expert is -1, so no host synchronisation is needed and
+the op can be captured in a CUDA graph. Pairs of one expert keep increasing flat-index
+order, so the result is deterministic and equal to ``moe_align_ref``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from ..errors import expect
+from ..metadata import AlignedRouting
+from ._align import _align_count_kernel, _align_offsets_kernel, _align_scatter_kernel
+from ._common import interpreting
+
+# Pairs per program of the count and scatter kernels. 1024 keeps the sort of one chunk
+# in registers with 4 warps; a decode step (T*K <= 64) uses one small chunk.
+_MAX_CHUNK = 1024
+_FILL = 1024  # sentinel slots written per program and loop step
+_BLOCK_B = 64  # blocks labelled per step of the offsets kernel
+
+
+def _check(topk_ids: torch.Tensor, num_local_experts: int, block_m: int, expert_map) -> None:
+    expect(topk_ids.dim() == 2, "topk_ids", "a [T, K] tensor", tuple(topk_ids.shape))
+    expect(topk_ids.dtype == torch.int32, "topk_ids", "int32", topk_ids.dtype)
+    expect(num_local_experts > 0, "num_local_experts", "> 0", num_local_experts)
+    expect(block_m > 0, "block_m", "> 0", block_m)
+    if expert_map is not None:
+        expect(expert_map.dtype == torch.int32, "expert_map", "int32", expert_map.dtype)
+        expect(expert_map.dim() == 1, "expert_map", "a [E] tensor", tuple(expert_map.shape))
+
+
+def moe_align_launch(
+    topk_ids: torch.Tensor,
+    num_local_experts: int,
+    block_m: int,
+    expert_map: torch.Tensor | None = None,
+    chunk: int | None = None,
+) -> AlignedRouting:
+    """Allocate the outputs and run the three align kernels. ``chunk`` (a power of 2)
+    overrides the pairs per program; tests use small chunks to cover many programs."""
+    t, k = topk_ids.shape
+    num_pairs = t * k
+    num_slots = AlignedRouting.max_padded(num_pairs, num_local_experts, block_m)
+    num_blocks = num_slots // block_m
+    dev = topk_ids.device
+    if chunk is None:
+        chunk = min(_MAX_CHUNK, max(16, triton.next_power_of_2(num_pairs)))
+    expect(chunk >= 16 and chunk & (chunk - 1) == 0, "chunk", "a power of 2 >= 16", chunk)
+    num_chunks = max(1, triton.cdiv(num_pairs, chunk))
+    bins = triton.next_power_of_2(num_local_experts + 1)  # last bin collects non-local pairs
+
+    ids = topk_ids.contiguous()
+    has_map = expert_map is not None
+    emap = expert_map.contiguous() if has_map else ids  # any int32 pointer; never read
+    e_global = expert_map.shape[0] if has_map else num_local_experts
+    sorted_ids = torch.empty(num_slots, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=dev)
+    num_padded = torch.empty(1, dtype=torch.int32, device=dev)
+    expert_counts = torch.empty(num_local_experts, dtype=torch.int32, device=dev)
+    chunk_counts = torch.empty(num_chunks, bins, dtype=torch.int32, device=dev)
+    chunk_base = torch.empty(num_chunks, bins, dtype=torch.int32, device=dev)
+
+    _align_count_kernel[(num_chunks,)](
+        ids,
+        emap,
+        chunk_counts,
+        sorted_ids,
+        num_pairs,
+        num_slots,
+        e_global,
+        num_local_experts,
+        HAS_MAP=has_map,
+        CHUNK=chunk,
+        BINS=bins,
+        FILL=_FILL,
+        num_warps=4,
+    )
+    _align_offsets_kernel[(1,)](
+        chunk_counts,
+        chunk_base,
+        expert_counts,
+        num_padded,
+        block_expert,
+        num_chunks,
+        num_blocks,
+        num_local_experts,
+        BLOCK_M=block_m,
+        BINS=bins,
+        BLOCK_B=_BLOCK_B,
+        num_warps=4,
+    )
+    _align_scatter_kernel[(num_chunks,)](
+        ids,
+        emap,
+        chunk_base,
+        sorted_ids,
+        num_pairs,
+        e_global,
+        num_local_experts,
+        HAS_MAP=has_map,
+        CHUNK=chunk,
+        BINS=bins,
+        num_warps=4,
+    )
+    return AlignedRouting(sorted_ids, block_expert, num_padded, expert_counts, block_m, num_pairs)
+
+
+def moe_align(
+    topk_ids: torch.Tensor,
+    num_local_experts: int,
+    block_m: int,
+    expert_map: torch.Tensor | None = None,
+) -> AlignedRouting:
+    """Sort the T*K (token, expert) pairs of ``topk_ids`` [T, K] (int32) by local expert.
+
+    ``expert_map`` [E] (int32) maps global ids to local ids or -1; pairs mapped to -1
+    (or outside [0, E_l)) appear nowhere. Runs on the device without a host sync on CUDA;
+    on the CPU (without the Triton interpreter) it calls ``moe_align_ref``.
+    """
+    _check(topk_ids, num_local_experts, block_m, expert_map)
+    if topk_ids.device.type == "cpu" and not interpreting():
+        return moe_align_ref(topk_ids, num_local_experts, block_m, expert_map)
+    return moe_align_launch(topk_ids, num_local_experts, block_m, expert_map)
+
+
+def moe_align_ref(
+    topk_ids: torch.Tensor,
+    num_local_experts: int,
+    block_m: int,
+    expert_map: torch.Tensor | None = None,
+) -> AlignedRouting:
+    """``moe_align`` in PyTorch (same outputs, bit for bit)."""
+    _check(topk_ids, num_local_experts, block_m, expert_map)
+    dev = topk_ids.device
+    t, k = topk_ids.shape
+    num_pairs = t * k
+    e_l = num_local_experts
+    num_slots = AlignedRouting.max_padded(num_pairs, e_l, block_m)
+    flat = topk_ids.reshape(-1).long()
+    if expert_map is not None:
+        in_range = (flat >= 0) & (flat < expert_map.shape[0])
+        flat = torch.where(in_range, expert_map.long()[flat.clamp(0, expert_map.shape[0] - 1)], -1)
+    local = torch.where((flat >= 0) & (flat < e_l), flat, e_l)
+    counts = torch.bincount(local, minlength=e_l + 1)[:e_l]
+    padded = (counts + block_m - 1) // block_m * block_m
+    end = torch.cumsum(padded, 0)
+    start = end - padded
+    num_padded = int(padded.sum())
+
+    order = torch.sort(local, stable=True).indices  # by expert, then flat index
+    n_local = int(counts.sum())
+    order, ex = order[:n_local], local[order[:n_local]]
+    first = torch.cumsum(counts, 0) - counts  # position of each expert's first pair in ``order``
+    dest = start[ex] + torch.arange(n_local, device=dev) - first[ex]
+    sorted_ids = torch.full((num_slots,), num_pairs, dtype=torch.int32, device=dev)
+    sorted_ids[dest] = order.to(torch.int32)
+
+    s = torch.arange(num_slots // block_m, device=dev) * block_m
+    block_expert = torch.searchsorted(end, s, right=True)
+    block_expert = torch.where(s < num_padded, block_expert, -1).to(torch.int32)
+    return AlignedRouting(
+        sorted_ids=sorted_ids,
+        block_expert=block_expert,
+        num_padded=torch.tensor([num_padded], dtype=torch.int32, device=dev),
+        expert_counts=counts.to(torch.int32),
+        block_m=block_m,
+        num_pairs=num_pairs,
+    )

@@ -1,0 +1,510 @@
+"""The fused MoE grouped GEMM: ``grouped_gemm`` (standard layout) and ``grouped_gemm_batched``.
+
+Standard layout (after ``moe_align``)::
+
+    for each BM block b of the aligned pairs with e = block_expert[b] != -1:
+        rows   = sorted_ids[b*BM : (b+1)*BM]          (T*K marks a padding slot)
+        C[r]   = (A[r // a_div] @ W[e]^T + bias[e]) * topk_weight[r]     for real rows r
+
+    a_div = K when A is the [T, H] input of GEMM1 (each token feeds its K pairs),
+            1 when A is the [T*K, I] intermediate of GEMM2.
+
+C has one row per (token, k) pair, [T*K, N]; rows of pairs whose expert is not local
+are never written (the caller zero-fills only where it needs to). Batched layout::
+
+    C[e, m] = (A[e, m] @ W[e]^T + bias[e]) * row_weight[e, m]   for m < counts[e]
+
+rows m >= counts[e] untouched. Quantized activations come in already quantized (this
+module never quantizes): pass the stored data as ``a`` and its scale(s).
+
+Weights W [E, N, K] are a ``QTensor`` in the reference layout (see ``quant.tensor``).
+Supported (activation x weight): float x float (bf16/fp16/fp32); fp8 x fp8 and int8 x
+int8 with tensor/token activations or 1 x g groups and tensor/channel/block(bn, bk)
+weights; float x int8 (w8a16); float x int4 (groups, zero points, act-order); float /
+mxfp8 / fp8 x mxfp4; float / nvfp4 x nvfp4. Accumulation is fp32 (int32 for int8 x
+int8 without per-K scales).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+from ..errors import expect
+from ..metadata import AlignedRouting
+from ..quant import QDtype, QTensor, TensorQuant, dequantize
+from ._common import interpreting
+from ._grouped_gemm import _grouped_gemm_kernel
+from .launch_config import LaunchConfig, fit_launch_config, pick_launch_config
+
+_TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+_A_FORMATS = {QDtype.FP8: "fp8", QDtype.INT8: "int8", QDtype.MXFP8: "mxfp8", QDtype.NVFP4: "nvfp4"}
+_W_FORMATS = {
+    QDtype.FP8: "fp8",
+    QDtype.INT8: "int8",
+    QDtype.INT4: "int4",
+    QDtype.MXFP4: "mxfp4",
+    QDtype.NVFP4: "nvfp4",
+}
+
+
+@dataclass(frozen=True)
+class GemmFormat:
+    """The kernel's view of its operands: formats and where their scales vary.
+
+    a_group: 0 = one activation scale per row (tensor or token), else 1 x a_group groups.
+    w_bn, w_bk: 0, 0 = one weight scale per output column (tensor or channel), else the
+    block along N and K one scale covers (a group g is block (1, g)).
+    native: w8a8, the stored bytes feed the tensor cores.
+    """
+
+    a_fmt: str = "float"
+    a_group: int = 0
+    w_fmt: str = "float"
+    w_bn: int = 0
+    w_bk: int = 0
+    act_order: bool = False
+    has_zero: bool = False
+
+    @property
+    def native(self) -> bool:
+        return self.a_fmt in ("fp8", "int8") and self.w_fmt == self.a_fmt
+
+    @property
+    def k_group(self) -> int | None:
+        """K extent BK should divide, or None.
+
+        Native w8a8 applies one scale per K step, so BK must divide every group. The
+        dequantizing path handles any BK, but a group that is not a power of 2 (say 96)
+        would make it gather a scale per element ([BN, BK] fp32 loads, 64 KiB of shared
+        memory per pipeline stage at 128 x 128); a BK dividing it avoids that.
+        """
+        groups = [g for g in (self.a_group, self.w_bk) if g and (self.native or g & (g - 1))]
+        return math.gcd(*groups) if groups else None
+
+    @classmethod
+    def of(
+        cls, w_quant: TensorQuant | None, a_quant: TensorQuant | None, n: int, k: int, has_zero: bool = False
+    ) -> GemmFormat:
+        a_fmt, a_group = "float", 0
+        if a_quant is not None:
+            expect(a_quant.dtype in _A_FORMATS, "a_quant.dtype", f"one of {list(_A_FORMATS)}", a_quant.dtype)
+            a_fmt = _A_FORMATS[a_quant.dtype]
+            g = a_quant.granularity
+            expect(g.kind in ("tensor", "token", "group"), "a_quant.granularity", "tensor, token or group", g)
+            a_group = g.group_size if g.kind == "group" else 0
+        if w_quant is None:
+            return cls(a_fmt=a_fmt, a_group=a_group)
+        expect(w_quant.dtype in _W_FORMATS, "w_quant.dtype", f"one of {list(_W_FORMATS)}", w_quant.dtype)
+        w_fmt = _W_FORMATS[w_quant.dtype]
+        g = w_quant.granularity
+        bn, bk = {"tensor": (0, 0), "channel": (0, 0), "token": (0, 0)}.get(g.kind, (0, 0))
+        if g.kind == "group":
+            bn, bk = 1, g.group_size
+        elif g.kind == "block":
+            bn, bk = g.block_n, g.block_k
+        elif w_fmt == "int4":  # int4 subtracts its zero per element: always fold the scale
+            bn, bk = (1 if g.kind == "channel" else n), k
+        return cls(a_fmt, a_group, w_fmt, bn, bk, w_quant.act_order, has_zero)
+
+
+def scheme_key(w_quant: TensorQuant | None, a_quant: TensorQuant | None) -> str:
+    """Short name of the kernel variant, the key of launch-config tables."""
+    if w_quant is None:
+        return "bf16"
+    w = _W_FORMATS[w_quant.dtype]
+    if a_quant is None:
+        return "w8a16" if w == "int8" else w
+    if w in ("fp8", "int8") and (w_quant.granularity.kind == "block" or a_quant.granularity.kind == "group"):
+        return f"{w}_block"
+    return w
+
+
+def _strides(t: torch.Tensor, ndim: int) -> tuple[int, ...]:
+    """Strides of ``t`` right-aligned to ``ndim`` dims; 0 where a dim has size 1 (broadcast)."""
+    shape = (1,) * (ndim - t.dim()) + tuple(t.shape)
+    stride = (0,) * (ndim - t.dim()) + tuple(t.stride())
+    return tuple(0 if s == 1 else st for s, st in zip(shape, stride, strict=True))
+
+
+def _u8(t: torch.Tensor | None) -> torch.Tensor | None:
+    """fp8 data and e8m0 codes go to kernels as uint8, so masked loads can fill zeros
+    (the interpreter cannot cast ``other=0`` to fp8); the kernel bitcasts them back."""
+    if t is not None and t.dtype in (torch.float8_e4m3fn, torch.float8_e8m0fnu):
+        return t.view(torch.uint8)
+    return t
+
+
+def grouped_gemm_launch(
+    a: torch.Tensor,
+    w: QTensor,
+    c: torch.Tensor,
+    fmt: GemmFormat,
+    cfg: LaunchConfig,
+    *,
+    routing: AlignedRouting | None = None,
+    counts: torch.Tensor | None = None,
+    a_div: int = 1,
+    a_scale: torch.Tensor | None = None,
+    a_global_scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    route_weights: torch.Tensor | None = None,
+) -> None:
+    """Launch the kernel into ``c``: standard layout with ``routing``, batched with ``counts``.
+
+    Shapes are not re-validated here (``grouped_gemm`` does it); ``cfg.block_m`` must
+    equal ``routing.block_m`` in the standard layout.
+    """
+    batched = routing is None
+    e_l, n, kd = w.shape
+    if batched:
+        m_max = a.shape[1]
+        blocks_per_expert = triton.cdiv(m_max, cfg.block_m)
+        num_m_blocks = e_l * blocks_per_expert
+        num_pairs = 0
+        a_str = a.stride()
+        c_str = c.stride()
+    else:
+        m_max = blocks_per_expert = 0
+        num_m_blocks = routing.block_expert.numel()
+        num_pairs = routing.num_pairs
+        a_str = (0, *a.stride())
+        c_str = (0, *c.stride())
+    if num_m_blocks == 0 or n == 0 or c.numel() == 0:
+        return
+    dummy = c
+    scale_nd = 3 if batched else 2
+    a_scale = _u8(a_scale)
+    as_str = _strides(a_scale, scale_nd) if a_scale is not None else (0,) * scale_nd
+    if not batched:
+        as_str = (0, *as_str)
+    ag = a_global_scale.reshape(-1).float().contiguous() if a_global_scale is not None else None
+    w_scale = _u8(w.scale)
+    ws_str = _strides(w_scale, 3) if w_scale is not None else (0, 0, 0)
+    if w.zero is not None:
+        expect(
+            w.zero.shape == w_scale.shape and _strides(w.zero, 3) == ws_str,
+            "w.zero",
+            "the scale's shape and strides",
+            tuple(w.zero.shape),
+        )
+    wg = w.global_scale.reshape(-1).float().contiguous() if w.global_scale is not None else None
+    g_idx = w.g_idx if fmt.act_order else None
+    if route_weights is not None and not batched:
+        route_weights = route_weights.reshape(-1)
+    rw_str = (
+        (_strides(route_weights, 2) if batched else (0, route_weights.stride(0)))
+        if route_weights is not None
+        else (0, 0)
+    )
+    if interpreting():
+        dot_dtype = tl.float32  # the interpreter's bf16/fp16 dot multiplies raw bits
+    elif fmt.a_fmt == "float":
+        dot_dtype = _TL_DTYPE[a.dtype]
+    else:
+        dot_dtype = tl.bfloat16  # dequantized e4m3/e2m1 x power-of-2 values are exact in bf16
+
+    grid = (num_m_blocks * triton.cdiv(n, cfg.block_n),)
+    _grouped_gemm_kernel[grid](
+        _u8(a),
+        dummy if a_scale is None else a_scale,
+        dummy if ag is None else ag,
+        _u8(w.data),
+        dummy if w_scale is None else w_scale,
+        dummy if w.zero is None else w.zero,
+        dummy if wg is None else wg,
+        dummy if g_idx is None else g_idx,
+        dummy if bias is None else bias,
+        dummy if route_weights is None else route_weights,
+        c,
+        dummy if batched else routing.sorted_ids,
+        dummy if batched else routing.block_expert,
+        counts if batched else dummy,
+        n,
+        kd,
+        num_pairs,
+        a_div,
+        m_max,
+        blocks_per_expert,
+        num_m_blocks,
+        *a_str,
+        *as_str,
+        0 if ag is None or ag.numel() == 1 else 1,
+        *w.data.stride(),
+        *ws_str,
+        *(g_idx.stride() if g_idx is not None else (0, 0)),
+        *(bias.stride() if bias is not None else (0, 0)),
+        *rw_str,
+        *c_str,
+        BATCHED=batched,
+        A_FMT=fmt.a_fmt,
+        A_GROUP=fmt.a_group,
+        W_FMT=fmt.w_fmt,
+        W_BN=fmt.w_bn,
+        W_BK=fmt.w_bk,
+        ACT_ORDER=g_idx is not None,
+        HAS_ZERO=w.zero is not None,
+        HAS_A_GSCALE=ag is not None,
+        HAS_W_GSCALE=wg is not None,
+        HAS_BIAS=bias is not None,
+        MUL_ROUTED_WEIGHT=route_weights is not None,
+        NATIVE=fmt.native,
+        DOT_DTYPE=dot_dtype,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+
+
+def _as_qtensor(w: QTensor | torch.Tensor) -> QTensor:
+    return w if isinstance(w, QTensor) else QTensor(w, tuple(w.shape))
+
+
+def _a_cols(a: torch.Tensor, a_quant: TensorQuant | None) -> int:
+    """Logical K of activations ``a`` (nvfp4 stores two values per byte)."""
+    return a.shape[-1] * (2 if a_quant is not None and a_quant.dtype is QDtype.NVFP4 else 1)
+
+
+def _prepare(
+    a, w, w_quant, a_quant, a_scale, bias, out_dtype, rows_hint: int, config
+) -> tuple[QTensor, GemmFormat, LaunchConfig, torch.dtype]:
+    w = _as_qtensor(w)
+    expect(len(w.shape) == 3, "w", "a [E, N, K] weight", w.shape)
+    e_l, n, kd = w.shape
+    expect(_a_cols(a, a_quant) == kd, "a", f"K = {kd} columns (W is {tuple(w.shape)})", tuple(a.shape))
+    expect((w_quant is None) == (w.scale is None), "w_quant", "given exactly when w has a scale", w_quant)
+    fmt = GemmFormat.of(w_quant, a_quant, n, kd, w.zero is not None)
+    if a_quant is None:
+        expect(a.dtype in _TL_DTYPE, "a", "bf16/fp16/fp32 when a_quant is None", a.dtype)
+    else:
+        expect(a_scale is not None, "a_scale", f"a scale for {a_quant.short} activations")
+    if fmt.act_order:
+        expect(w.g_idx is not None, "w.g_idx", "an act-order group map [E, K]")
+    if bias is not None:
+        expect(tuple(bias.shape) == (e_l, n), "bias", f"shape {(e_l, n)}", tuple(bias.shape))
+    if out_dtype is None:
+        out_dtype = a.dtype if a_quant is None else torch.bfloat16
+    cfg = config or pick_launch_config(rows_hint, e_l, n, kd, scheme_key(w_quant, a_quant))
+    return w, fmt, fit_launch_config(cfg, fmt.k_group, strict=fmt.native), out_dtype
+
+
+def _use_kernel(t: torch.Tensor) -> bool:
+    return t.device.type != "cpu" or interpreting()
+
+
+def grouped_gemm(
+    a: torch.Tensor,
+    w: QTensor | torch.Tensor,
+    routing: AlignedRouting,
+    *,
+    w_quant: TensorQuant | None = None,
+    a_quant: TensorQuant | None = None,
+    a_scale: torch.Tensor | None = None,
+    a_global_scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    topk_weights: torch.Tensor | None = None,
+    a_div: int = 1,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    config: LaunchConfig | None = None,
+) -> torch.Tensor:
+    """C [T*K, N] = per-pair A rows @ W[e]^T (+ bias[e]) (* topk weight), standard layout.
+
+    a:   [T, Kd] (a_div = K, GEMM1) or [T*K, Kd] (a_div = 1, GEMM2): the model dtype, or
+         the stored data of ``a_quant`` (fp8/int8 [M, Kd], mxfp8 e4m3 [M, Kd], nvfp4 uint8
+         [M, Kd/2]) with ``a_scale`` ([1, 1], [M, 1] or [M, G]) and, for nvfp4,
+         ``a_global_scale``.
+    w:   [E_l, N, Kd] QTensor quantized as ``w_quant`` (or a float tensor, w_quant None).
+    topk_weights: [T, K] float32; each row of C is multiplied by its pair's weight.
+    config.block_m is replaced by ``routing.block_m`` (the tile is the aligned block).
+    Rows of C that belong to no local pair keep their contents (``out``) or are
+    uninitialised (a new tensor).
+    """
+    num_pairs = routing.num_pairs
+    w, fmt, cfg, out_dtype = _prepare(a, w, w_quant, a_quant, a_scale, bias, out_dtype, num_pairs, config)
+    cfg = replace(cfg, block_m=routing.block_m)
+    n = w.shape[1]
+    expect(a.shape[0] * a_div == num_pairs, "a", f"{num_pairs // max(a_div, 1)} rows for a_div={a_div}", a.shape[0])
+    if out is None:
+        out = torch.empty(num_pairs, n, dtype=out_dtype, device=a.device)
+    expect(tuple(out.shape) == (num_pairs, n), "out", f"shape {(num_pairs, n)}", tuple(out.shape))
+    if topk_weights is not None:
+        expect(topk_weights.numel() == num_pairs, "topk_weights", f"{num_pairs} weights", tuple(topk_weights.shape))
+        topk_weights = topk_weights.reshape(-1).float().contiguous()
+    if not _use_kernel(a):
+        ref = grouped_gemm_ref(
+            a,
+            w,
+            routing,
+            w_quant=w_quant,
+            a_quant=a_quant,
+            a_scale=a_scale,
+            a_global_scale=a_global_scale,
+            bias=bias,
+            topk_weights=topk_weights,
+            a_div=a_div,
+            dtype=torch.float32,
+        )
+        written = ~ref.isnan().all(dim=1)
+        out[written] = ref[written].to(out.dtype)
+        return out
+    grouped_gemm_launch(
+        a,
+        w,
+        out,
+        fmt,
+        cfg,
+        routing=routing,
+        a_div=a_div,
+        a_scale=a_scale,
+        a_global_scale=a_global_scale,
+        bias=bias,
+        route_weights=topk_weights,
+    )
+    return out
+
+
+def grouped_gemm_batched(
+    a: torch.Tensor,
+    w: QTensor | torch.Tensor,
+    counts: torch.Tensor,
+    *,
+    w_quant: TensorQuant | None = None,
+    a_quant: TensorQuant | None = None,
+    a_scale: torch.Tensor | None = None,
+    a_global_scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    row_weights: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    config: LaunchConfig | None = None,
+) -> torch.Tensor:
+    """C [E_l, M_max, N] = A[e] @ W[e]^T (+ bias[e]) (* row_weights[e, m]) for m < counts[e].
+
+    a: [E_l, M_max, Kd] (or its quantized data, packed [.., Kd/2] for nvfp4) with
+    ``a_scale`` [1, 1], [E_l, M_max, 1] or [E_l, M_max, G]; counts int32 [E_l] on the
+    device (read by the kernel, never by the host). Rows past counts[e] are untouched.
+    """
+    e_l, m_max = a.shape[0], a.shape[1]
+    w, fmt, cfg, out_dtype = _prepare(a, w, w_quant, a_quant, a_scale, bias, out_dtype, e_l * m_max, config)
+    n = w.shape[1]
+    expect(w.shape[0] == e_l, "w", f"{e_l} experts (a is {tuple(a.shape)})", w.shape)
+    expect(tuple(counts.shape) == (e_l,) and counts.dtype == torch.int32, "counts", f"int32 [{e_l}]", counts)
+    if out is None:
+        out = torch.empty(e_l, m_max, n, dtype=out_dtype, device=a.device)
+    expect(tuple(out.shape) == (e_l, m_max, n), "out", f"shape {(e_l, m_max, n)}", tuple(out.shape))
+    if not _use_kernel(a):
+        ref = grouped_gemm_batched_ref(
+            a,
+            w,
+            counts,
+            w_quant=w_quant,
+            a_quant=a_quant,
+            a_scale=a_scale,
+            a_global_scale=a_global_scale,
+            bias=bias,
+            row_weights=row_weights,
+            dtype=torch.float32,
+        )
+        written = ~ref.isnan().all(dim=-1)
+        out[written] = ref[written].to(out.dtype)
+        return out
+    grouped_gemm_launch(
+        a,
+        w,
+        out,
+        fmt,
+        cfg,
+        counts=counts,
+        a_scale=a_scale,
+        a_global_scale=a_global_scale,
+        bias=bias,
+        route_weights=None if row_weights is None else row_weights.float(),
+    )
+    return out
+
+
+# ---- references (PyTorch, any dtype; float64 in tests) ------------------------------
+
+
+def _dequant_a(a, a_quant, a_scale, a_global_scale, dtype) -> torch.Tensor:
+    if a_quant is None:
+        return a.to(dtype)
+    q = QTensor(a, (*a.shape[:-1], _a_cols(a, a_quant)), scale=a_scale, global_scale=a_global_scale)
+    return dequantize(q, a_quant, dtype)
+
+
+def _dequant_w(w, w_quant, dtype) -> torch.Tensor:
+    w = _as_qtensor(w)
+    return w.data.to(dtype) if w_quant is None else dequantize(w, w_quant, dtype)
+
+
+def grouped_gemm_ref(
+    a: torch.Tensor,
+    w: QTensor | torch.Tensor,
+    routing: AlignedRouting,
+    *,
+    w_quant: TensorQuant | None = None,
+    a_quant: TensorQuant | None = None,
+    a_scale: torch.Tensor | None = None,
+    a_global_scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    topk_weights: torch.Tensor | None = None,
+    a_div: int = 1,
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """``grouped_gemm`` from dequantized operands in ``dtype``; rows not written are NaN."""
+    n = _as_qtensor(w).shape[1]
+    ad = _dequant_a(a, a_quant, a_scale, a_global_scale, dtype)
+    wd = _dequant_w(w, w_quant, dtype)
+    out = torch.full((routing.num_pairs, n), float("nan"), dtype=dtype, device=a.device)
+    slots = routing.sorted_ids.long()
+    expert = routing.block_expert.long().repeat_interleave(routing.block_m)
+    real = (slots < routing.num_pairs) & (expert >= 0)
+    rows, ex = slots[real], expert[real]
+    for e in torch.unique(ex).tolist():
+        r = rows[ex == e]
+        y = ad[r // a_div] @ wd[e].T
+        if bias is not None:
+            y = y + bias[e].to(dtype)
+        if topk_weights is not None:
+            y = y * topk_weights.reshape(-1)[r].to(dtype).unsqueeze(1)
+        out[r] = y
+    return out
+
+
+def grouped_gemm_batched_ref(
+    a: torch.Tensor,
+    w: QTensor | torch.Tensor,
+    counts: torch.Tensor,
+    *,
+    w_quant: TensorQuant | None = None,
+    a_quant: TensorQuant | None = None,
+    a_scale: torch.Tensor | None = None,
+    a_global_scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    row_weights: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """``grouped_gemm_batched`` from dequantized operands in ``dtype``; rows not written are NaN."""
+    e_l, m_max = a.shape[0], a.shape[1]
+    n = _as_qtensor(w).shape[1]
+    ad = _dequant_a(a, a_quant, a_scale, a_global_scale, dtype)
+    wd = _dequant_w(w, w_quant, dtype)
+    out = torch.full((e_l, m_max, n), float("nan"), dtype=dtype, device=a.device)
+    for e, cnt in enumerate(counts.tolist()):
+        cnt = min(cnt, m_max)
+        y = ad[e, :cnt] @ wd[e].T
+        if bias is not None:
+            y = y + bias[e].to(dtype)
+        if row_weights is not None:
+            y = y * row_weights[e, :cnt].to(dtype).unsqueeze(1)
+        out[e, :cnt] = y
+    return out

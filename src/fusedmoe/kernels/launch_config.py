@@ -1,0 +1,139 @@
+"""Launch configurations of the grouped GEMM as data: ``LaunchConfig``.
+
+Where a config comes from, first match wins:
+
+1. ``override_launch_config(cfg)`` (a context manager, for tests and the tuner);
+2. ``FUSEDMOE_LAUNCH_CONFIG="BM,BN,BK,GROUP_M,WARPS,STAGES"`` in the environment;
+3. ``default_launch_config``: a heuristic on the problem shape (tuned JSON per GPU
+   will slot in before it).
+
+The launcher then *fits* the config to the operands (``fit_launch_config``): BK is
+shrunk to divide a w8a8 block or group size so each K step sees one scale.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, fields, replace
+
+from ..errors import expect
+
+ENV_VAR = "FUSEDMOE_LAUNCH_CONFIG"
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Tile sizes and launch parameters of one grouped-GEMM launch.
+
+    block_m: BM, rows (sorted pairs) per tile; also the padding unit of ``moe_align``.
+    block_n / block_k: BN, BK. group_m: M tiles walked together for L2 reuse of W.
+    """
+
+    block_m: int = 64
+    block_n: int = 64
+    block_k: int = 64
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for f in ("block_m", "block_n", "block_k"):
+            v = getattr(self, f)
+            expect(v >= 16 and v & (v - 1) == 0, f"LaunchConfig.{f}", "a power of 2 >= 16 (tl.dot)", v)
+        for f in ("group_m", "num_warps", "num_stages"):
+            expect(getattr(self, f) >= 1, f"LaunchConfig.{f}", ">= 1", getattr(self, f))
+
+    @classmethod
+    def parse(cls, text: str) -> LaunchConfig:
+        """``"64,128,64,8,4,3"`` -> LaunchConfig(64, 128, 64, 8, 4, 3)."""
+        parts = [p.strip() for p in text.split(",")]
+        names = [f.name for f in fields(cls)]
+        expect(
+            len(parts) == len(names) and all(p.isdigit() for p in parts),
+            ENV_VAR,
+            f"{len(names)} comma-separated integers ({','.join(names)})",
+            text,
+        )
+        return cls(*(int(p) for p in parts))
+
+
+_OVERRIDE: list[LaunchConfig] = []
+
+
+@contextlib.contextmanager
+def override_launch_config(cfg: LaunchConfig) -> Iterator[LaunchConfig]:
+    """Use ``cfg`` for every grouped-GEMM launch inside the ``with`` block."""
+    _OVERRIDE.append(cfg)
+    try:
+        yield cfg
+    finally:
+        _OVERRIDE.pop()
+
+
+def default_launch_config(m_pairs: int, num_experts: int, n: int, k: int, scheme_key: str) -> LaunchConfig:
+    """A heuristic config for ``m_pairs`` routed rows over ``num_experts`` experts of W [N, K].
+
+    ``scheme_key`` is ``grouped_gemm.scheme_key(...)``: 'bf16', 'fp8', 'int8', 'w8a16',
+    'int4', 'mxfp4', 'nvfp4', with '_block' for block/group-scaled w8a8.
+    BM follows the expected rows per expert (decode: ~1 row per expert, so a 16-row
+    tile wastes the least); 8- and 4-bit weights take a longer K step because a byte
+    per element halves the shared memory per step.
+    """
+    rows_per_expert = m_pairs / max(1, num_experts)
+    if rows_per_expert <= 16:
+        bm = 16
+    elif rows_per_expert <= 48:
+        bm = 32
+    elif rows_per_expert <= 160:
+        bm = 64
+    else:
+        bm = 128
+    narrow = scheme_key != "bf16"
+    bn = 64 if bm <= 32 else 128
+    bk = 128 if narrow else 64
+    if scheme_key in ("int4", "mxfp4", "nvfp4") and bm >= 64:
+        bk = 64  # dequantizing a [BK, BN] tile in registers costs more than the K step saves
+    warps = 4 if bm * bn <= 64 * 128 else 8
+    stages = 4 if bm <= 32 else 3
+    group_m = 1 if bm == 16 else 8
+    bn = min(bn, max(16, _pow2_at_least(n)))
+    bk = min(bk, max(16, _pow2_at_least(k)))
+    return LaunchConfig(bm, bn, bk, group_m, warps, stages)
+
+
+def _pow2_at_least(x: int) -> int:
+    p = 1
+    while p < x:
+        p *= 2
+    return p
+
+
+def pick_launch_config(m_pairs: int, num_experts: int, n: int, k: int, scheme_key: str) -> LaunchConfig:
+    """The scoped override, else the environment variable, else ``default_launch_config``."""
+    if _OVERRIDE:
+        return _OVERRIDE[-1]
+    text = os.environ.get(ENV_VAR)
+    if text:
+        return LaunchConfig.parse(text)
+    return default_launch_config(m_pairs, num_experts, n, k, scheme_key)
+
+
+def fit_launch_config(cfg: LaunchConfig, k_group: int | None, strict: bool = True) -> LaunchConfig:
+    """Shrink BK so it divides ``k_group`` (the K extent of one scale), if any.
+
+    ``strict``: no BK >= 16 divides the group is an error (w8a8 kernels need one scale per
+    K step); otherwise the kernel gathers a scale per element, and BK <= 64 with 2 stages
+    keeps those [BN, BK] fp32 tiles within shared memory (128 x 128 x 3 stages needed
+    240 KiB on an H100, over its 227).
+    """
+    if not k_group:
+        return cfg
+    bk = cfg.block_k
+    while bk > 16 and k_group % bk:
+        bk //= 2
+    if k_group % bk:
+        expect(not strict, "scale group along K", "a multiple of 16 for a w8a8 kernel", k_group)
+        return replace(cfg, block_k=min(cfg.block_k, 64), num_stages=min(cfg.num_stages, 2))
+    return replace(cfg, block_k=bk)

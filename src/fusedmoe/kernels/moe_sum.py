@@ -1,0 +1,126 @@
+"""Sum each token's K expert outputs: ``moe_sum(c [T, K, H]) -> out [T, H]``.
+
+The grouped GEMM writes one row per (token, k) pair (already multiplied by its router
+weight when asked to); this kernel reduces them in a fixed order (k = 0..K-1, fp32),
+so the result is deterministic, unlike an atomic scatter-add. With ``expert_map``,
+pairs whose expert is not local are skipped, so their rows of ``c`` never need to be
+zero-filled.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..errors import expect
+from ._common import interpreting
+
+
+@triton.jit
+def _moe_sum_kernel(
+    c_ptr,
+    out_ptr,
+    ids_ptr,
+    map_ptr,
+    T,
+    H,
+    E_G,
+    stride_ct,
+    stride_ck,
+    stride_ch,
+    stride_ot,
+    stride_oh,
+    K: tl.constexpr,
+    HAS_MAP: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    row_ok = rows < T
+    mask = row_ok[:, None] & (cols < H)[None, :]
+    r64 = rows.to(tl.int64)
+    acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+    for k in tl.static_range(K):
+        ok = mask
+        if HAS_MAP:
+            e = tl.load(ids_ptr + r64 * K + k, mask=row_ok, other=-1)
+            local = tl.load(map_ptr + e, mask=row_ok & (e >= 0) & (e < E_G), other=-1)
+            ok = ok & (local >= 0)[:, None]
+        ptrs = c_ptr + r64[:, None] * stride_ct + k * stride_ck + cols[None, :] * stride_ch
+        acc += tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
+    o_ptrs = out_ptr + r64[:, None] * stride_ot + cols[None, :] * stride_oh
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def moe_sum_launch(
+    c: torch.Tensor,
+    out: torch.Tensor,
+    topk_ids: torch.Tensor | None = None,
+    expert_map: torch.Tensor | None = None,
+) -> torch.Tensor:
+    t, k, h = c.shape
+    if t == 0 or h == 0:
+        return out
+    has_map = expert_map is not None
+    # 4 x 256 values per program: memory-bound, K loads of 2 KiB (bf16) in flight each.
+    bt, bh = (16, 128) if interpreting() else (4, 256)
+    grid = (triton.cdiv(t, bt), triton.cdiv(h, bh))
+    ids = topk_ids.contiguous() if has_map else c
+    _moe_sum_kernel[grid](
+        c,
+        out,
+        ids,
+        expert_map if has_map else c,
+        t,
+        h,
+        expert_map.shape[0] if has_map else 0,
+        *c.stride(),
+        *out.stride(),
+        K=k,
+        HAS_MAP=has_map,
+        BLOCK_T=bt,
+        BLOCK_H=bh,
+        num_warps=4,
+    )
+    return out
+
+
+def moe_sum(
+    c: torch.Tensor,
+    out: torch.Tensor | None = None,
+    *,
+    topk_ids: torch.Tensor | None = None,
+    expert_map: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """out [T, H] = sum over k of c [T, K, H] (fp32 accumulation, output in ``out``'s or
+    c's dtype). With ``expert_map`` [E] and ``topk_ids`` [T, K], pairs mapped to -1 are
+    skipped."""
+    expect(c.dim() == 3, "c", "a [T, K, H] tensor", tuple(c.shape))
+    t, k, h = c.shape
+    if expert_map is not None:
+        expect(topk_ids is not None and tuple(topk_ids.shape) == (t, k), "topk_ids", f"[{t}, {k}] with expert_map")
+    if out is None:
+        out = torch.empty(t, h, dtype=c.dtype, device=c.device)
+    expect(tuple(out.shape) == (t, h), "out", f"shape {(t, h)}", tuple(out.shape))
+    if c.device.type == "cpu" and not interpreting():
+        return out.copy_(moe_sum_ref(c, topk_ids=topk_ids, expert_map=expert_map))
+    return moe_sum_launch(c, out, topk_ids, expert_map)
+
+
+def moe_sum_ref(
+    c: torch.Tensor,
+    *,
+    topk_ids: torch.Tensor | None = None,
+    expert_map: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``moe_sum`` in PyTorch, in ``dtype``."""
+    x = c.to(dtype)
+    if expert_map is not None:
+        ids = topk_ids.long()
+        ok = (ids >= 0) & (ids < expert_map.shape[0])
+        local = torch.where(ok, expert_map.long()[ids.clamp(0, expert_map.shape[0] - 1)], -1)
+        x = torch.where((local >= 0).unsqueeze(-1), x, torch.zeros((), dtype=dtype, device=c.device))
+    return x.sum(dim=1)

@@ -1,0 +1,226 @@
+"""Activation quantization kernels against ``fusedmoe.quant.quantize`` / ``apply_activation``.
+
+Plain quantization must give the reference's bytes exactly: the kernels repeat the
+reference's fp32 operations, and under the interpreter encode e4m3/bf16 by hand
+(its own casts truncate), so this holds on both; the real-shape twins marked ``gpu``
+check the hardware conversions. The fused activation differs from PyTorch's by an
+ulp of fp32 here and there, which can move a value across a rounding boundary, so
+there the dequantized values are compared with a tolerance. Outputs are poisoned
+before each launch.
+
+moe_sum is tested here too (a small kernel of the same pipeline stage).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fusedmoe.config import Activation, MoEConfig
+from fusedmoe.kernels._common import interpreting
+from fusedmoe.kernels.act_quant import (
+    act_and_quantize,
+    act_and_quantize_ref,
+    quantize_activations,
+    quantize_activations_ref,
+)
+from fusedmoe.kernels.moe_sum import moe_sum, moe_sum_ref
+from fusedmoe.quant import Granularity, QDtype, QTensor, QuantScheme, TensorQuant, dequantize
+from fusedmoe.quant.fp4 import nvfp4_global_scale
+from fusedmoe.testing import poison_, rel_error
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+needs_triton = pytest.mark.skipif(not (HAS_CUDA or interpreting()), reason="needs a CUDA GPU or TRITON_INTERPRET=1")
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+
+
+def _tq(dtype: QDtype, gran: Granularity, dynamic: bool = True) -> TensorQuant:
+    return TensorQuant(dtype, gran, dynamic=dynamic)
+
+
+QUANTS = {
+    "fp8_tensor": _tq(QDtype.FP8, Granularity.tensor()),
+    "fp8_tensor_static": _tq(QDtype.FP8, Granularity.tensor(), dynamic=False),
+    "fp8_token": _tq(QDtype.FP8, Granularity.token()),
+    "fp8_group128": _tq(QDtype.FP8, Granularity.group(128)),
+    "fp8_group32": _tq(QDtype.FP8, Granularity.group(32)),
+    "int8_tensor": _tq(QDtype.INT8, Granularity.tensor()),
+    "int8_tensor_static": _tq(QDtype.INT8, Granularity.tensor(), dynamic=False),
+    "int8_token": _tq(QDtype.INT8, Granularity.token()),
+    "int8_group64": _tq(QDtype.INT8, Granularity.group(64)),
+    "mxfp8": QuantScheme.mxfp4_mxfp8().a1,
+    "nvfp4": QuantScheme.nvfp4().a1,
+}
+# K = 96: a partial last fp8/int8 group (64, 128) and two MX/NV groups per tile.
+SHAPES = {"T0": (0, 128), "T1": (1, 128), "rows37": (37, 96), "rows5_k256": (5, 256)}
+
+
+def _static(name: str, x: torch.Tensor) -> dict:
+    """Static scales a checkpoint would carry (calibrated on a bound of |x|)."""
+    amax = 4.0 * 3
+    if name.endswith("_static"):
+        qmax = 448.0 if name.startswith("fp8") else 127.0
+        return {"scale": torch.tensor([[amax / qmax]], device=x.device)}
+    if name == "nvfp4":
+        return {"global_scale": nvfp4_global_scale(torch.tensor(amax)).reshape(1, 1).to(x.device)}
+    return {}
+
+
+def _poisoned_like(r: QTensor) -> QTensor:
+    """Buffers shaped like the reference's, filled with values no quantizer produces here."""
+
+    def p(t):
+        if t is None:
+            return None
+        if t.dtype == torch.float8_e4m3fn:
+            return torch.full(t.shape, 0xFF, dtype=torch.uint8, device=t.device).view(t.dtype)  # NaN
+        if t.dtype == torch.int8:
+            return torch.full(t.shape, -128, dtype=torch.int8, device=t.device)  # never: |q| <= 127
+        if t.dtype == torch.uint8:
+            return torch.full(t.shape, 0xFF, dtype=torch.uint8, device=t.device)
+        return poison_(torch.empty_like(t))
+
+    return QTensor(p(r.data), r.shape, scale=p(r.scale))
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def _assert_same_bytes(q: QTensor, r: QTensor) -> None:
+    assert q.data.dtype == r.data.dtype and q.scale.dtype == r.scale.dtype
+    assert torch.equal(_bytes(q.data), _bytes(r.data)), "data bytes differ"
+    assert torch.equal(_bytes(q.scale).reshape(r.scale.shape), _bytes(r.scale)), "scales differ"
+
+
+def _run_quant(name: str, m: int, k: int, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(m, k, generator=g) * 3).to(torch.bfloat16).to(DEVICE)
+    tq, static = QUANTS[name], _static(name, x)
+    r = quantize_activations_ref(x, tq, **static)
+    q = quantize_activations(x, tq, out=_poisoned_like(r), **static)
+    _assert_same_bytes(q, r)
+
+
+@needs_triton
+@pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
+@pytest.mark.parametrize("name", QUANTS)
+def test_quantize_exact(name, shape):
+    m, k = SHAPES[shape]
+    if name in ("mxfp8", "nvfp4") and k % 32:
+        k = 128
+    _run_quant(name, m, k)
+
+
+@needs_triton
+def test_quantize_e4m3_rounding_edges():
+    """Ties, subnormals, carries into the exponent and saturation, per-token fp8."""
+    vals = [0.0, 2**-9, 1.5 * 2**-9, 2.5 * 2**-9, 2**-6 * 1.0625, 15.5, 31.0, 31.9, 240.0, 247.0, 447.9]
+    x = torch.tensor(vals + [-v for v in vals] + [448.0], dtype=torch.float32)
+    x = x.reshape(1, -1).expand(3, -1).contiguous().to(DEVICE)
+    x[1] *= 0.5  # amax 224: the scale and every quotient change
+    tq = QUANTS["fp8_token"]
+    _assert_same_bytes(quantize_activations(x, tq), quantize_activations_ref(x, tq))
+
+
+# ---- fused activation + quantization -------------------------------------------------
+
+ACT_CASES = [(a, False) for a in Activation] + [(Activation.SWIGLUOAI, True), (Activation.SILU, True)]
+A2 = ["none", "fp8_token", "fp8_tensor", "fp8_group128", "int8_token", "mxfp8", "nvfp4"]
+# Dequantized error allowed against the fp32 reference: a rare rounding flip (an fp32
+# ulp of difference in the activation) costs one quantization step of one element.
+ACT_TOL = {"none": 4e-3, "fp8": 2e-3, "int8": 2e-3, "mxfp8": 2e-3, "nvfp4": 2e-2}
+
+
+def _run_act(act: Activation, interleaved: bool, a2: str, m: int, i: int, seed: int = 0) -> None:
+    cfg = MoEConfig(
+        num_experts=4, top_k=2, hidden_size=64, intermediate_size=i, activation=act, gate_up_interleaved=interleaved
+    )
+    g = torch.Generator().manual_seed(seed)
+    h = (torch.randn(m, cfg.w13_rows, generator=g) * 3).to(torch.bfloat16).to(DEVICE)
+    tq = QUANTS.get(a2)
+    static = _static(a2, h)
+    r = act_and_quantize_ref(h, cfg, tq, **static)
+    if tq is None:
+        out = poison_(torch.empty(m, i, dtype=cfg.dtype, device=DEVICE))
+        q = act_and_quantize(h, cfg, None, out=out)
+        assert q.dtype == cfg.dtype and q.shape == (m, i)
+        assert rel_error(q, r) <= ACT_TOL["none"]
+        return
+    q = act_and_quantize(h, cfg, tq, out=_poisoned_like(r), **static)
+    assert q.data.shape == r.data.shape and q.scale.shape == r.scale.shape
+    dq, dr = dequantize(q, tq), dequantize(r, tq)
+    assert rel_error(dq, dr) <= ACT_TOL[tq.dtype.value.split("_")[0]]
+    if tq.dtype in (QDtype.FP8, QDtype.INT8):
+        torch.testing.assert_close(q.scale.float(), r.scale.float(), rtol=1e-5, atol=0)
+
+
+@needs_triton
+@pytest.mark.parametrize("a2", A2)
+@pytest.mark.parametrize("act,interleaved", ACT_CASES, ids=[f"{a.value}{'_il' if il else ''}" for a, il in ACT_CASES])
+def test_act_and_quantize(act, interleaved, a2):
+    _run_act(act, interleaved, a2, m=19, i=128)
+
+
+@needs_triton
+@pytest.mark.parametrize("m", [0, 1])
+def test_act_and_quantize_few_rows(m):
+    _run_act(Activation.SILU, False, "fp8_token", m=m, i=128)
+    _run_act(Activation.SILU, False, "nvfp4", m=m, i=64)
+
+
+def test_cpu_path_is_ref(monkeypatch):
+    if DEVICE != "cpu":
+        pytest.skip("tests the CPU path")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    x = torch.randn(5, 64).bfloat16()
+    tq = QUANTS["mxfp8"]
+    _assert_same_bytes(quantize_activations(x, tq), quantize_activations_ref(x, tq))
+
+
+# ---- moe_sum -----------------------------------------------------------------------
+
+
+@needs_triton
+@pytest.mark.parametrize("t,k,h", [(0, 2, 64), (1, 1, 64), (7, 3, 50), (20, 8, 200)])
+@pytest.mark.parametrize("with_map", [False, True])
+def test_moe_sum(t, k, h, with_map):
+    g = torch.Generator().manual_seed(t + k)
+    c = torch.randn(t, k, h, generator=g).to(DEVICE)
+    ids = emap = None
+    if with_map:
+        ids = torch.rand(t, 8, generator=g).argsort(dim=1)[:, :k].int()
+        emap = torch.tensor([0, -1, 1, -1, 2, -1, 3, -1], dtype=torch.int32)
+        c[(emap[ids.long()] < 0)] = float("nan")  # rows of non-local pairs: never written
+        ids, emap = ids.to(DEVICE), emap.to(DEVICE)
+    out = poison_(torch.empty(t, h, device=DEVICE))
+    moe_sum(c, out, topk_ids=ids, expert_map=emap)
+    torch.testing.assert_close(out, moe_sum_ref(c, topk_ids=ids, expert_map=emap), rtol=1e-6, atol=1e-6)
+
+
+# ---- real shapes (GPU): the hardware's e4m3/bf16 conversions give the same bytes ----------
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("m,k", [(1, 2048), (512, 4096), (4096, 7168)])
+@pytest.mark.parametrize("name", QUANTS)
+def test_quantize_exact_real_shapes(name, m, k):
+    _run_quant(name, m, k, seed=m)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("a2", A2)
+@pytest.mark.parametrize("act,interleaved", ACT_CASES, ids=[f"{a.value}{'_il' if il else ''}" for a, il in ACT_CASES])
+def test_act_and_quantize_real_shapes(act, interleaved, a2):
+    _run_act(act, interleaved, a2, m=512 * 8, i=1536)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_moe_sum_real_shapes():
+    c = torch.randn(512, 8, 4096, device="cuda", dtype=torch.bfloat16)
+    out = moe_sum(c)
+    torch.testing.assert_close(out.float(), moe_sum_ref(c), rtol=1e-2, atol=2e-2)
