@@ -10,7 +10,7 @@ export PYTHONPATH=src PYTHONUNBUFFERED=1
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())' | tee "$OUT/env.txt"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv >> "$OUT/env.txt" 2>&1
 SECONDS=0
-python3 -m pytest -q -p no:cacheprovider -m gpu ${GPU_TESTS:-tests/test_kernels_align.py tests/test_kernels_gemm.py tests/test_kernels_act_quant.py tests/test_gpu_layer.py} \
+python3 -m pytest -q -p no:cacheprovider -m gpu ${GPU_TESTS:-tests/test_kernels_align.py tests/test_kernels_gemm.py tests/test_kernels_act_quant.py tests/test_quant.py tests/test_gpu_layer.py} \
   -o addopts="" -rs --timeout 1200 -s 2>&1 | tee "$OUT/gpu_tests.log" | grep -v "^MAXERR" | tail -40
 grep "^MAXERR" "$OUT/gpu_tests.log" || true
 echo "gpu tests: ${SECONDS}s"

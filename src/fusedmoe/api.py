@@ -44,6 +44,8 @@ def fused_moe(
     choice = select_experts(
         config, scheme, platform=platform, layout=layout, backend=backend, expert_map=expert_map is not None
     )
+    # the backend may compute with another activation precision than asked (e.g. mxfp8 for mxfp4)
+    scheme = choice.effective_scheme or scheme
     experts = get_experts(choice.backend)(config, scheme)
     kernel = MoEKernel(disp_cls(config, scheme), experts, chunk_size=chunk_size)
     return kernel(x, topk, weights, expert_map=expert_map)

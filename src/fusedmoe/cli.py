@@ -18,6 +18,8 @@ def _cmd_run(args) -> int:
     from .testing import make_problem, rel_error, tolerance
 
     device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
+    if args.checkpoint:
+        return _run_checkpoint(args, device)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     config = preset_config(args.preset, dtype=dtype)
     scheme = QuantScheme.by_name(args.scheme)
@@ -47,6 +49,31 @@ def _cmd_run(args) -> int:
     return 0 if ok else 1
 
 
+def _run_checkpoint(args, device: str) -> int:
+    from .formats.checkpoint import run_checkpoint
+
+    dtype = (
+        {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype] if args.dtype_set else None
+    )
+    r = run_checkpoint(
+        args.checkpoint,
+        args.backend,
+        args.tokens,
+        layer=args.layer,
+        seed=args.seed,
+        dtype=dtype,
+        online=args.online,
+        device=device,
+    )
+    print(f"fusedmoe run: checkpoint {args.checkpoint} ({r['model_type']}, format {r['format']})")
+    print(f"scheme {r['scheme']} (computed as {r['compute_scheme']}), tokens {args.tokens}, device {device}")
+    print("oracle:\n" + r["explain"])
+    print(f"loaded in {r['load_s']:.2f} s; forward {r['forward_ms']:.3f} ms (backend {r['backend']})")
+    print(f"rel. error vs reference {r['rel_error']:.2e} (tolerance {r['tolerance']:.0e})")
+    print("PASS" if r["passed"] else "FAIL")
+    return 0 if r["passed"] else 1
+
+
 def _cmd_features(args) -> int:
     from .features import feature_matrix, to_markdown
     from .platform import Platform
@@ -61,16 +88,19 @@ def _cmd_explain(args) -> int:
     from .errors import UnsupportedError
     from .experts.base import TokenLayout
     from .oracle import select_experts
-    from .platform import Platform
+    from .platform import Platform, current_platform
     from .presets import preset_config
     from .quant import QuantScheme
 
-    plat = Platform.simulated(args.platform, tuple(args.packages)) if args.platform else None
+    plat = Platform.simulated(args.platform) if args.platform else current_platform()
+    plat = plat.with_packages(*args.packages)
     config = preset_config(args.preset)
     scheme = QuantScheme.by_name(args.scheme)
     layout = TokenLayout(args.layout)
     try:
-        choice = select_experts(config, scheme, platform=plat, layout=layout, backend=args.backend)
+        choice = select_experts(
+            config, scheme, platform=plat, layout=layout, backend=args.backend, num_tokens=args.tokens
+        )
     except UnsupportedError as e:
         print(str(e))
         return 1
@@ -91,11 +121,14 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     r = sub.add_parser("run", help="build a layer, run it, check it against the reference, time it")
+    r.add_argument("--checkpoint", help="a model folder (config.json + *.safetensors): run its first MoE layer")
+    r.add_argument("--layer", type=int, default=None, help="with --checkpoint: which layer")
+    r.add_argument("--online", default=None, help="with --checkpoint: quantize a bf16 checkpoint at load (scheme)")
     r.add_argument("--preset", default="small")
     r.add_argument("--scheme", default="bf16")
     r.add_argument("--tokens", type=int, default=64)
     r.add_argument("--backend", default="auto")
-    r.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    r.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"])
     r.add_argument("--iters", type=int, default=10)
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--cpu", action="store_true", help="stay on the CPU even if a GPU is present")
@@ -106,13 +139,18 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--platform", help="simulate a platform: cpu, sm80, sm89, sm90, sm100, gfx942, ...")
     f.set_defaults(fn=_cmd_features)
 
-    e = sub.add_parser("explain", help="every backend candidate for a preset and scheme, and the choice")
+    e = sub.add_parser(
+        "explain",
+        help="every backend candidate for a preset and scheme: accepted or refused and why, the choice, "
+        "the activation precision it implies and the padding it needs",
+    )
     e.add_argument("--preset", default="small")
     e.add_argument("--scheme", default="bf16")
     e.add_argument("--layout", default="standard", choices=["standard", "batched"])
-    e.add_argument("--backend", default="auto")
-    e.add_argument("--platform")
-    e.add_argument("--packages", nargs="*", default=[])
+    e.add_argument("--backend", default="auto", help="ask for one backend (honored or refused with the reason)")
+    e.add_argument("--platform", help="simulate a platform: cpu, sm80, sm89, sm90, sm100, gfx942, gfx950, tpu")
+    e.add_argument("--packages", nargs="*", default=[], help="simulate installed packages: flashinfer deep_gemm ...")
+    e.add_argument("--tokens", type=int, default=None, help="tokens per call, for the triton/grouped_mm shape rule")
     e.set_defaults(fn=_cmd_explain)
 
     b = sub.add_parser("bench", help="time the layer against PyTorch grouped GEMM and the roofline (GPU)")
@@ -123,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     b.set_defaults(fn=_cmd_bench)
 
     args = p.parse_args(argv)
+    if getattr(args, "cmd", None) == "run":
+        args.dtype_set = args.dtype is not None
+        args.dtype = args.dtype or "bf16"
     return args.fn(args)
 
 

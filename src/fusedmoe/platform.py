@@ -39,6 +39,9 @@ _SIMULATED = {
     "xpu": ("xpu", None, "Intel GPU"),
 }
 
+# ROCm reports gfx9.4.x as capability (9, 4), gfx950 as (9, 5), gfx90a as (9, 0).
+_ROCM_ARCH = {(9, 0): "gfx90a", (9, 4): "gfx942", (9, 5): "gfx950"}
+
 
 @dataclass(frozen=True)
 class Platform:
@@ -58,6 +61,16 @@ class Platform:
         if self.kind == "cuda" and self.capability:
             return f"sm{self.capability[0]}{self.capability[1]}"
         return self.kind
+
+    @property
+    def arch(self) -> str:
+        """The architecture as tables key it: 'sm90', 'sm100', 'gfx942', 'gfx950', 'cpu', 'tpu'.
+
+        ``label`` says only 'rocm' for AMD GPUs; MXFP4 kernels exist on gfx950 and not on gfx942.
+        """
+        if self.kind == "rocm" and self.capability is not None:
+            return _ROCM_ARCH.get(self.capability, f"gfx{self.capability[0]}{self.capability[1]}")
+        return self.label
 
     def has(self, package: str) -> bool:
         return package in self.packages

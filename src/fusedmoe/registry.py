@@ -15,6 +15,7 @@ _EXPERT_MODULES = (
     "fusedmoe.experts.reference",
     "fusedmoe.experts.cpu",
     "fusedmoe.experts.triton",
+    "fusedmoe.experts.grouped_mm",
     "fusedmoe.experts.external",
 )
 _DISPATCH_MODULES = (

@@ -72,6 +72,9 @@ class Capabilities:
     implemented: bool = True  # False: declared so the oracle can say why not
     note: str = ""
     seed_names: tuple[str, ...] = ()  # rows of the reference feature tables this backend covers
+    # (H multiple, I multiple) the kernel needs; the layer pads the weights once to these
+    # (``fusedmoe.oracle.padding``). (1, 1): any size. ``Experts.alignment`` may refine it per scheme.
+    align: tuple[int, int] = (1, 1)
 
     @property
     def scheme_kinds(self) -> frozenset:
@@ -126,6 +129,10 @@ class Experts:
     reduce: ClassVar[WeightedReduce] = WeightedReduce.NONE
     # A standard backend's batched twin (the oracle maps one to the other).
     batched_twin: ClassVar[str | None] = None
+    # The activation precision this backend runs a weight format with, by scheme name:
+    # e.g. {"mxfp4": "mxfp4_mxfp8"} = MXFP4 weights computed with MXFP8 activations. Both
+    # schemes must have the same w1/w2 (the weights do not change, only a1/a2). Empty: as given.
+    implied_activations: ClassVar[dict[str, str]] = {}
 
     def __init__(self, config: MoEConfig, scheme: QuantScheme) -> None:
         self.config = config
@@ -181,6 +188,21 @@ class Experts:
         """Backend-specific rules beyond the declaration (sizes, combinations)."""
         return None
 
+    @classmethod
+    def activation_scheme(cls, scheme: QuantScheme, platform: Platform) -> QuantScheme:
+        """The scheme this backend computes for ``scheme``'s weights on ``platform``.
+
+        Same w1/w2; a1/a2 may differ (``implied_activations``). The oracle checks
+        ``why_not`` against it and the layer quantizes activations as it says.
+        """
+        name = cls.implied_activations.get(scheme.name)
+        return scheme if name is None else QuantScheme.by_name(name)
+
+    @classmethod
+    def alignment(cls, scheme: QuantScheme, platform: Platform) -> tuple[int, int]:
+        """(H multiple, I multiple) this backend needs for ``scheme`` on ``platform``."""
+        return cls.capabilities.align
+
     # ---- running ---------------------------------------------------------
     def workspace(self, num_tokens: int, num_local_experts: int) -> Workspace:
         """Buffers ``apply`` needs for ``num_tokens`` tokens (all allocated before the run)."""
@@ -188,6 +210,10 @@ class Experts:
 
     def prepare_weights(self, weights: ExpertWeights) -> ExpertWeights:
         """Convert reference-layout weights to this backend's layout (once, after loading)."""
+        return weights
+
+    def restore_weights(self, weights: ExpertWeights) -> ExpertWeights:
+        """The inverse of ``prepare_weights``: back to the reference layout, exactly (tested)."""
         return weights
 
     def apply(

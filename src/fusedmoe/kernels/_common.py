@@ -29,15 +29,14 @@ def unpack_nibbles(row_ptrs, row_ok, k0, K, stride_k, R: tl.constexpr, BLOCK_K: 
 
 @triton.jit
 def e2m1_to_f32(code):
-    """e2m1 code (bit 3 = sign; magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6) -> float32.
+    """e2m1 code (int32; bit 3 = sign; magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6) -> float32.
 
-    Twice the magnitude is an integer: m for exponent 0, (2 + m) << (exp - 1) otherwise.
+    The three magnitude bits, placed as fp16's two low exponent bits and top mantissa
+    bit, are the value times 2^-14 (exponent 0 being fp16's subnormal 0.5 * 2^-14): four
+    integer ops and one multiply instead of a decode with selects.
     """
-    exp = (code >> 1) & 3
-    man = code & 1
-    twice = tl.where(exp == 0, man, (2 + man) << tl.maximum(exp - 1, 0))
-    mag = twice.to(tl.float32) * 0.5
-    return tl.where((code & 8) != 0, -mag, mag)
+    bits = ((code & 8) << 12) | ((code & 7) << 9)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
 
 
 @triton.jit

@@ -146,7 +146,6 @@ def act_quant_launch(
             SCALE=kind,
             GROUP=group,
             EXACT_CAST=interpreting(),
-            RECIPROCAL=x.is_cuda,
             BLOCK_M=bm,
             BLOCK_K=bk,
             num_warps=4,
