@@ -202,19 +202,23 @@ def run_bench(presets, schemes, tokens, out_dir=None, providers=("fusedmoe", "to
                     )
             del weights
             torch.cuda.empty_cache()
-    if out_dir:
-        import os
-
-        os.makedirs(out_dir, exist_ok=True)
-        meta = {**ceil, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
-        import triton
-
-        meta["triton"] = triton.__version__
-        with open(os.path.join(out_dir, "bench.json"), "w") as f:
-            json.dump({"meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=1)
-        with open(os.path.join(out_dir, "bench.md"), "w") as f:
-            f.write(to_markdown(rows, meta))
+            if out_dir:
+                _write(out_dir, rows, ceil)
     return rows
+
+
+def _write(out_dir: str, rows: list[Row], ceil: dict) -> None:
+    """bench.json and bench.md with the rows so far (rewritten after each preset)."""
+    import os
+
+    import triton
+
+    os.makedirs(out_dir, exist_ok=True)
+    meta = {**ceil, "torch": torch.__version__, "triton": triton.__version__, "date": time.strftime("%Y-%m-%d")}
+    with open(os.path.join(out_dir, "bench.json"), "w") as f:
+        json.dump({"meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=1)
+    with open(os.path.join(out_dir, "bench.md"), "w") as f:
+        f.write(to_markdown(rows, meta))
 
 
 def to_markdown(rows: list[Row], meta: dict) -> str:
