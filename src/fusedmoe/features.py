@@ -135,7 +135,19 @@ def _scheme_row(s: QuantScheme) -> dict:
     def d(tq):
         return tq.short if tq is not None else "-"
 
-    return {"name": s.name, "family": s.family, "a1": d(s.a1), "w1": d(s.w1), "a2": d(s.a2), "w2": d(s.w2)}
+    import torch
+
+    from .testing import tolerance
+
+    return {
+        "name": s.name,
+        "family": s.family,
+        "a1": d(s.a1),
+        "w1": d(s.w1),
+        "a2": d(s.a2),
+        "w2": d(s.w2),
+        "tolerance_bf16": tolerance(s, torch.bfloat16),
+    }
 
 
 def _table(rows: list[list[str]], head: list[str]) -> str:
@@ -214,8 +226,9 @@ def to_markdown(m: dict) -> str:
     parts += ["", "## Schemes", ""]
     parts.append(
         _table(
-            [[s["name"], s["family"], s["a1"], s["w1"], s["a2"], s["w2"]] for s in m["schemes"]],
-            ["scheme", "family", "a1", "w1", "a2", "w2"],
+            [[s["name"], s["family"], s["a1"], s["w1"], s["a2"], s["w2"], f"{s['tolerance_bf16']:.0e}"]
+             for s in m["schemes"]],
+            ["scheme", "family", "a1", "w1", "a2", "w2", "tolerance (bf16)"],
         )
     )
     parts += ["", "## Rows of the reference tables", ""]

@@ -18,6 +18,10 @@ Operands meet the tensor cores in one of two ways (constexpr ``NATIVE``):
   bf16 dot is wrong) with per-K scales folded in; e2m1 x e8m0/e4m3 and e4m3 x
   e8m0 products are exact in bf16, so only int4 and folded fp8/int8 group
   scales round there. Tensor/channel/global scales multiply at the end.
+  W is dequantized in its stored [BN, BK] orientation (K contiguous) and
+  transposed for the dot; 4-bit codes come from whole-byte loads split with
+  join/reshape: loading each nibble's byte as a [BK, BN] tile ran 17x slower
+  (int4, 16 tokens, E 64, N 1536, K 2048 on an H100: 1411 vs 82 us).
 
 Then bias, then the router weight, then one store in C's dtype.
 """
