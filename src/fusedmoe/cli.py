@@ -116,6 +116,17 @@ def _cmd_bench(args) -> int:
     return 0
 
 
+def _cmd_tune(args) -> int:
+    from .tune import tune
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tokens = [int(t) for t in args.tokens.split(",")]
+    for scheme in args.scheme.split(","):
+        for path in tune(args.preset, scheme, tokens, out_dir=args.out, space=args.space, device=device):
+            print(f"wrote {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="fusedmoe", description="Fused Mixture-of-Experts kernels.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -159,6 +170,14 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--tokens", default="1,16,64,256,1024,4096")
     b.add_argument("--out", default=None)
     b.set_defaults(fn=_cmd_bench)
+
+    tn = sub.add_parser("tune", help="search launch configs for a preset on this GPU; write the JSON the runtime reads")
+    tn.add_argument("--preset", default="qwen3-30b-a3b")
+    tn.add_argument("--scheme", default="bf16")
+    tn.add_argument("--tokens", default="1,16,64,256,1024,4096")
+    tn.add_argument("--space", default="quick", choices=["quick", "full", "tiny"])
+    tn.add_argument("--out", default=None, help="folder (default: the package's configs/)")
+    tn.set_defaults(fn=_cmd_tune)
 
     args = p.parse_args(argv)
     if getattr(args, "cmd", None) == "run":

@@ -4,8 +4,9 @@ Where a config comes from, first match wins:
 
 1. ``override_launch_config(cfg)`` (a context manager, for tests and the tuner);
 2. ``FUSEDMOE_LAUNCH_CONFIG="BM,BN,BK,GROUP_M,WARPS,STAGES"`` in the environment;
-3. ``default_launch_config``: a heuristic on the problem shape (tuned JSON per GPU
-   will slot in before it).
+3. tuned JSON files for this GPU and GEMM shape (``tuned_configs``: ``FUSEDMOE_CONFIG_DIR``,
+   then the package's ``configs/``), the entry nearest to the call's pair count;
+4. ``default_launch_config``: a heuristic on the problem shape.
 
 The launcher then *fits* the config to the operands (``fit_launch_config``): BK is
 shrunk to divide a w8a8 block or group size so each K step sees one scale.
@@ -134,6 +135,11 @@ def pick_launch_config(
     text = os.environ.get(ENV_VAR)
     if text:
         return LaunchConfig.parse(text)
+    from .tuned_configs import lookup  # tuned JSON for this GPU and GEMM, nearest pair count
+
+    tuned = lookup(m_pairs, num_experts, n, k, scheme_key)
+    if tuned is not None:
+        return tuned
     return default_launch_config(m_pairs, num_experts, n, k, scheme_key)
 
 

@@ -1,0 +1,38 @@
+"""The tuner writes files the runtime reads back (interpreter: two candidates, tiny layer)."""
+
+from __future__ import annotations
+
+import json
+
+from fusedmoe.kernels import tuned_configs
+from fusedmoe.kernels.launch_config import LaunchConfig, pick_launch_config
+from fusedmoe.tune import candidates, tune
+
+
+def test_candidates_keep_small_tiles_for_decode():
+    dec = candidates("quick", 8, 64)  # 8 pairs over 64 experts
+    assert dec and all(c.block_m == 16 for c in dec)
+    assert any(c.block_m == 128 for c in candidates("quick", 64 * 512, 64))
+
+
+def test_tuned_files_round_trip_into_pick_launch_config(tmp_path, monkeypatch):
+    paths = tune(
+        "small",
+        "bf16",
+        [1, 8],
+        out_dir=tmp_path,
+        space="tiny",
+        device="cpu",
+        num_experts=4,
+        hidden_size=64,
+        intermediate_size=32,
+    )
+    assert len(paths) == 2
+    data = json.loads(paths[0].read_text())
+    assert set(data["configs"]) == {"2", "16"}  # pairs = T * K with K = 2
+    monkeypatch.setenv(tuned_configs.ENV_DIR, str(tmp_path))
+    monkeypatch.setattr(tuned_configs, "current_gpu", lambda: "cpu-interpreter")
+    tuned_configs.clear_cache()
+    got = pick_launch_config(2, data["E"], data["N"], data["K"], data["scheme"])
+    assert got == LaunchConfig(**data["configs"]["2"])
+    tuned_configs.clear_cache()
