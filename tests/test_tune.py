@@ -36,3 +36,21 @@ def test_tuned_files_round_trip_into_pick_launch_config(tmp_path, monkeypatch):
     got = pick_launch_config(2, data["E"], data["N"], data["K"], data["scheme"])
     assert got == LaunchConfig(**data["configs"]["2"])
     tuned_configs.clear_cache()
+
+
+def test_second_gemm_is_tuned_under_the_first_gemms_block_m(tmp_path):
+    paths = tune(
+        "small",
+        "bf16",
+        [1, 8],
+        out_dir=tmp_path,
+        space="tiny",
+        device="cpu",
+        num_experts=4,
+        hidden_size=64,
+        intermediate_size=32,
+    )
+    first, second = (json.loads(p.read_text()) for p in paths)
+    for pairs, cfg in first["configs"].items():
+        assert second["configs"][pairs]["block_m"] == cfg["block_m"]
+    assert candidates("quick", 4096, 8, block_m=32) and all(c.block_m == 32 for c in candidates("quick", 4096, 8, 32))

@@ -54,9 +54,16 @@ SPACES = {
 }
 
 
-def candidates(space: str, m_pairs: int, num_experts: int) -> list[LaunchConfig]:
-    """The space's configs whose BM suits the rows per expert (at most 4x the need, at least 16)."""
-    grid = SPACES[space]
+def candidates(space: str, m_pairs: int, num_experts: int, block_m: int | None = None) -> list[LaunchConfig]:
+    """The space's configs whose BM suits the rows per expert (at most 4x the need, at least 16).
+
+    ``block_m`` pins BM: the layer aligns the pairs once, with GEMM1's BM, and GEMM2 runs
+    on that alignment, so GEMM2 is tuned under the BM GEMM1 chose (tuning it freely
+    picked tiles the layer then ran with another BM: 2x slower fp8-block cells, H200).
+    """
+    grid = dict(SPACES[space])
+    if block_m is not None:
+        grid["block_m"] = (block_m,)
     need = max(16, 4 * m_pairs // max(1, num_experts))
     out = []
     for vals in itertools.product(*grid.values()):
@@ -88,8 +95,10 @@ def _operands(config, scheme, gemm, t, weights, device, g):
     )
 
 
-def tune_gemm(config, scheme, weights, gemm: str, tokens, *, space="quick", device="cuda", progress=True) -> dict:
-    """{pairs: (LaunchConfig, ms)} for one GEMM of the layer."""
+def tune_gemm(
+    config, scheme, weights, gemm: str, tokens, *, space="quick", device="cuda", progress=True, block_m=None
+) -> dict:
+    """{pairs: (LaunchConfig, ms)} for one GEMM of the layer; ``block_m``: {pairs: BM} to pin."""
     from triton.testing import do_bench
 
     e = config.num_experts
@@ -119,7 +128,7 @@ def tune_gemm(config, scheme, weights, gemm: str, tokens, *, space="quick", devi
             )
 
         ref = run(default_launch_config(pairs, e, n, kd, key)).float()
-        cands = candidates(space, pairs, e)
+        cands = candidates(space, pairs, e, None if block_m is None else block_m[pairs])
         it = cands
         if progress:
             try:
@@ -190,11 +199,10 @@ def tune(
         )
         gpu = "cpu-interpreter"
     out_dir = Path(out_dir) if out_dir else PACKAGE_DIR
-    paths = []
-    for gemm in ("w13", "w2"):
-        res = tune_gemm(config, scheme, weights, gemm, tokens, space=space, device=device)
-        paths.append(write(res, out_dir, gpu))
-    return paths
+    first = tune_gemm(config, scheme, weights, "w13", tokens, space=space, device=device)
+    bm = {pairs: cfg.block_m for pairs, (cfg, _) in first["best"].items()}
+    second = tune_gemm(config, scheme, weights, "w2", tokens, space=space, device=device, block_m=bm)
+    return [write(first, out_dir, gpu), write(second, out_dir, gpu)]
 
 
 __all__ = ["tune", "tune_gemm", "candidates", "SPACES"]
