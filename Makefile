@@ -2,8 +2,10 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# pytest workers: both cores of a CI machine (the interpreter is single-threaded)
+JOBS ?= 2
 
-.PHONY: venv run test test-fast lint clean
+.PHONY: venv run test lint clean
 
 venv: $(STAMP)
 
@@ -19,7 +21,7 @@ run: venv
 
 # The interpreter is chosen when @triton.jit decorates, so it is set before Python starts.
 test: venv
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not gpu" $(PYTEST_ARGS)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not gpu" -n $(JOBS) $(PYTEST_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check src tests

@@ -2,9 +2,8 @@
 
 The cells come from the capability declarations (the same ones ``fusedmoe
 features`` prints), so a claim cannot be added without being tested here.
-Backends that run under the Triton interpreter get the full scheme column
-with silu and the full activation column with a few schemes (each cell there
-costs about a second); PyTorch backends get the full product.
+Every backend gets the full product (dispatcher x experts x scheme x
+activation); the Triton ones run under the interpreter at about a second a cell.
 """
 
 from __future__ import annotations
@@ -22,8 +21,6 @@ from fusedmoe.testing import make_problem, poison_, rel_error, tolerance
 
 PLATFORM = current_platform()
 SCHEMES = {s.name: s for s in all_schemes()}
-SLOW_BACKENDS = {"triton", "triton_batched"}  # interpreted on the CPU
-SLOW_ACT_SCHEMES = ("bf16", "fp8_block", "mxfp4")
 
 
 def _config(act: Activation) -> MoEConfig:
@@ -49,8 +46,6 @@ def _cells():
                 continue
             for sname, scheme in SCHEMES.items():
                 for act in Activation:
-                    if ename in SLOW_BACKENDS and act is not Activation.SILU and sname not in SLOW_ACT_SCHEMES:
-                        continue
                     why = ecls.why_not(_config(act), scheme, PLATFORM, layout=dcls.layout)
                     cell = (dname, ename, sname, act.value)
                     (cells if why is None else refusals).append((cell, why))
@@ -72,13 +67,14 @@ def test_claimed_cell_matches_reference(cell):
     dname, ename, sname, act = cell
     scheme = SCHEMES[sname]
     config = _config(Activation(act))
-    prob = make_problem(config, scheme, 7, seed=hash(cell) % 1000)
+    seed = hash(cell) % 1000  # fresh inputs per run (str hashes are salted per process)
+    prob = make_problem(config, scheme, 7, seed=seed)
     ref = prob.reference()
     out = fused_moe(
         prob.x, (prob.topk_ids, prob.topk_weights), prob.weights, config, scheme, backend=ename, dispatcher=dname
     )
     err = rel_error(out, ref)
-    assert err <= tolerance(scheme, config.dtype), f"{cell}: rel. error {err:.3e}"
+    assert err <= tolerance(scheme, config.dtype), f"{cell} seed {seed}: rel. error {err:.3e}"
 
 
 # one refusal per (experts, reason) is enough to show the message; all are listed
