@@ -12,25 +12,94 @@ The weighted reduce happens where the experts say (``Experts.reduce``): inside
 them, or in the dispatcher's combine. The shared-experts hook runs after the
 experts and before combine, where a distributed dispatcher's communication
 can overlap it.
+
+Three modes of running:
+
+- eager: ``forward`` calls the dispatcher and the experts directly;
+- under ``torch.compile``: ``forward`` emits the custom op ``fusedmoe::moe_forward``
+  (``fusedmoe.ops``) naming this kernel, and adds the shared experts in the graph;
+- CUDA graphs: ``allocate(max_tokens, device)`` creates every declared buffer once
+  (``workspace``: the dispatcher's, the experts', the experts' output); calls of up to
+  ``max_tokens`` tokens then reuse them, so a captured graph's addresses stay valid.
+  What is still allocated per call is small: the quantized input [T, H], the output,
+  the routing metadata of ``moe_align`` and the local_batched combine's index.
+
+Deterministic mode (``deterministic=True`` or ``FUSEDMOE_DETERMINISTIC=1``) asks the
+experts for results that do not depend on the batch: each token's output is bitwise
+the same alone, in any batch, and run to run (see ``experts.triton``). Tokens still
+interact through a per-tensor *dynamic* activation scale (an amax over the batch), which
+no mode can avoid; schemes with token, group or static scales are batch-invariant.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 
 import torch
 
 from .errors import UnsupportedError, expect
-from .experts.base import Experts, TokenLayout
+from .experts.base import Experts, TokenLayout, WeightedReduce, Workspace
 from .metadata import TopK
-from .quant import FORMATS
+from .ops import call_moe_forward, register_kernel
+from .quant import FORMATS, TensorQuant, quantize
 from .weights import ExpertWeights
 
 DEFAULT_CHUNK_SIZE = 16384
+DETERMINISTIC_ENV = "FUSEDMOE_DETERMINISTIC"
+
+
+def deterministic_from_env() -> bool:
+    """``FUSEDMOE_DETERMINISTIC=1`` in the environment (read when experts and kernels are built)."""
+    return os.environ.get(DETERMINISTIC_ENV, "0") == "1"
+
+
+def take(
+    buffers: dict[str, torch.Tensor] | None, name: str, shape: tuple[int, ...], dtype: torch.dtype, device
+) -> torch.Tensor:
+    """A contiguous ``shape`` view of the front of ``buffers[name]``; a new tensor when there is no
+    such buffer or it is too small (more tokens than allocated for) or of another dtype or device."""
+    n = math.prod(shape)
+    buf = None if buffers is None else buffers.get(name)
+    if buf is not None and buf.dtype == dtype and buf.device == device and buf.numel() >= n:
+        return buf.view(-1)[:n].view(shape)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def quantized_layout(
+    name: str, tq: TensorQuant | None, rows: int, cols: int, dtype: torch.dtype
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Workspace shapes of ``rows`` rows of ``cols`` values quantized as ``tq`` (the model dtype when
+    None): ``name`` for the data and, for scales computed per call, ``name_scale`` ([1, 1] for a
+    per-tensor one). Read off one quantized row, so they are what the quantizers produce."""
+    if tq is None:
+        return {name: ((rows, cols), dtype)}
+    one = torch.ones(1, 1)
+    q = quantize(
+        torch.zeros(1, cols, dtype=dtype),
+        tq,
+        scale=None if tq.dynamic else one,
+        global_scale=one if tq.has_global_scale else None,
+    )
+    out = {name: ((rows, *q.data.shape[1:]), q.data.dtype)}
+    if tq.dynamic:
+        per_tensor = tq.granularity.kind == "tensor"
+        out[f"{name}_scale"] = ((1, 1) if per_tensor else (rows, *q.scale.shape[1:]), q.scale.dtype)
+    return out
 
 
 class MoEKernel:
+    """Dispatcher x Experts (see the module docstring).
+
+    chunk_size:     tokens per chunk (None: ``FUSEDMOE_CHUNK_SIZE`` or 16384).
+    shared_experts: ``f(x [T, H]) -> [T, H]`` added to the routed output.
+    deterministic:  batch-invariant, run-to-run identical results (None: ``FUSEDMOE_DETERMINISTIC``,
+                    or what the experts were built with).
+    name:           the key of this kernel in the ``fusedmoe::moe_forward`` registry (unique;
+                    generated when None).
+    """
+
     def __init__(
         self,
         dispatcher,
@@ -38,6 +107,8 @@ class MoEKernel:
         *,
         chunk_size: int | None = None,
         shared_experts: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        deterministic: bool | None = None,
+        name: str | None = None,
     ) -> None:
         if dispatcher.layout is not experts.layout:
             raise UnsupportedError(
@@ -53,7 +124,87 @@ class MoEKernel:
         expect(size > 0, "chunk_size", "a positive number of tokens", size)
         self.chunk_size = size if experts.capabilities.chunking else None
         self.shared_experts = shared_experts
+        if deterministic is None:
+            deterministic = bool(getattr(experts, "deterministic", False)) or deterministic_from_env()
+        self.deterministic = deterministic
+        # the experts choose their launch configs; backends without such choices ignore it
+        experts.deterministic = deterministic
+        self._buffers: dict[str, dict[str, torch.Tensor]] | None = None
+        self.name = register_kernel(self, name)
 
+    # A copy (deepcopy of a model, unpickling) is a new kernel: it registers under a fresh
+    # name, or compiled graphs of the copy would call the original. Buffers are not copied
+    # (a CUDA graph captured the original's addresses); ``allocate`` again.
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_buffers": None, "name": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.name = register_kernel(self)
+
+    # ---- workspace ---------------------------------------------------------------------
+    def _num_local_experts(self) -> int:
+        return len(self.dispatcher.parallel.local_experts(self.config.num_experts))
+
+    def _step(self, num_tokens: int) -> int:
+        return max(1, min(num_tokens, self.chunk_size) if self.chunk_size else num_tokens)
+
+    def _workspace_parts(self, num_tokens: int, num_local_experts: int | None) -> dict[str, Workspace]:
+        c = self.config
+        step = self._step(num_tokens)
+        e_l = num_local_experts or self._num_local_experts()
+        if self.experts.layout is TokenLayout.STANDARD:
+            rows = step
+            k = 1 if self.experts.reduce is WeightedReduce.NONE else c.top_k
+            y_rows = step * k
+        else:
+            rows = self.dispatcher.max_tokens_per_rank(step)  # M, rows per expert
+            y_rows = e_l * rows
+        parts = {
+            "experts": self.experts.workspace(rows, e_l),
+            "kernel": Workspace({"y": ((y_rows, c.hidden_size), c.dtype)}),
+        }
+        plan = getattr(self.dispatcher, "workspace", None)
+        if plan is not None:
+            parts["dispatch"] = plan(step, e_l)
+        return parts
+
+    def workspace(self, num_tokens: int, num_local_experts: int | None = None) -> Workspace:
+        """Every buffer a call of ``num_tokens`` tokens needs, declared (one chunk's worth: the
+        bytes stop growing at ``chunk_size``). Names are ``part.buffer``, part one of
+        'dispatch', 'experts', 'kernel'."""
+        shapes = {}
+        for part, ws in self._workspace_parts(num_tokens, num_local_experts).items():
+            shapes.update({f"{part}.{k}": v for k, v in ws.shapes.items()})
+        return Workspace(shapes)
+
+    def allocate(
+        self, max_tokens: int, device: torch.device | str, *, num_local_experts: int | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Allocate the workspace for calls of up to ``max_tokens`` tokens on ``device``, once.
+
+        Later calls on that device take their buffers from it (a larger call allocates its own,
+        as without ``allocate``). Needed before capturing a CUDA graph, so that replays write
+        where the capture did. Returns the buffers by ``workspace`` name.
+        """
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        parts = self._workspace_parts(max_tokens, num_local_experts)
+        self._buffers = {part: ws.allocate(dev) for part, ws in parts.items()}
+        return self.buffers
+
+    @property
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The buffers ``allocate`` created, by ``workspace`` name (empty before it is called)."""
+        return {f"{p}.{k}": t for p, bufs in (self._buffers or {}).items() for k, t in bufs.items()}
+
+    def _buffers_for(self, x: torch.Tensor) -> dict[str, dict[str, torch.Tensor]]:
+        if self._buffers is None or self._buffers["kernel"]["y"].device != x.device:
+            return {}
+        return self._buffers
+
+    # ---- running -----------------------------------------------------------------------
     def _pinned_a1_scale(self, x: torch.Tensor, t: int) -> torch.Tensor | None:
         tq = self.scheme.a1
         if tq is None or not tq.dynamic or tq.granularity.kind != "tensor":
@@ -71,6 +222,27 @@ class MoEKernel:
         expert_map: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x [T, H] routed by ``topk`` -> [T, H] in x's dtype."""
+        if torch.compiler.is_compiling():
+            out = call_moe_forward(self.name, x, topk, weights, expert_map)
+            if self.shared_experts is not None:
+                # computed in the promoted dtype and rounded once, as the eager in-place add does
+                out = (out + self.shared_experts(x)).to(out.dtype)
+            return out
+        return self.forward_eager(x, topk, weights, expert_map=expert_map)
+
+    __call__ = forward
+
+    def forward_eager(
+        self,
+        x: torch.Tensor,
+        topk: TopK,
+        weights: ExpertWeights,
+        *,
+        expert_map: torch.Tensor | None = None,
+        shared: bool = True,
+    ) -> torch.Tensor:
+        """``forward`` without the compile switch; ``shared=False`` leaves out the shared experts
+        (the custom op's body: the compiled graph adds them)."""
         t = x.shape[0]
         out = torch.empty_like(x)
         distributed = self.dispatcher.distributed
@@ -83,21 +255,23 @@ class MoEKernel:
             # runs empty chunks until the rank with the most tokens is done
             n_chunks = self.dispatcher.agree_num_chunks(max(n_chunks, 1))
         a1_scale = self._pinned_a1_scale(x, t)
+        bufs = self._buffers_for(x)
+        shared_fn = self.shared_experts if shared else None
         for c in range(n_chunks):
             s = min(c * step, t)
             e = min(t, s + step)
             xc = x[s:e]
             tk = TopK(topk.ids[s:e], topk.weights[s:e])
-            d = self.dispatcher.dispatch(xc, tk, weights, expert_map=expert_map, a1_scale=a1_scale)
-            y = torch.empty(self.dispatcher.output_shape(d, self.experts.reduce), dtype=x.dtype, device=x.device)
+            kw = {"workspace": bufs["dispatch"]} if "dispatch" in bufs else {}
+            d = self.dispatcher.dispatch(xc, tk, weights, expert_map=expert_map, a1_scale=a1_scale, **kw)
+            y_shape = self.dispatcher.output_shape(d, self.experts.reduce)
+            y = take(bufs.get("kernel"), "y", y_shape, x.dtype, x.device)
             if self.experts.layout is TokenLayout.STANDARD:
-                self.experts.apply(d.a, d.topk, weights, y, expert_map=expert_map)
+                self.experts.apply(d.a, d.topk, weights, y, expert_map=expert_map, workspace=bufs.get("experts"))
             else:
-                self.experts.apply_batched(d.a, d.counts, weights, y)
-            shared = self.shared_experts(xc) if self.shared_experts is not None else None
+                self.experts.apply_batched(d.a, d.counts, weights, y, workspace=bufs.get("experts"))
+            sh = shared_fn(xc) if shared_fn is not None else None
             self.dispatcher.combine(y, d, out[s:e], self.experts.reduce)
-            if shared is not None:
-                out[s:e] += shared
+            if sh is not None:
+                out[s:e] += sh
         return out
-
-    __call__ = forward

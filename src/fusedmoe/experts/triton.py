@@ -8,20 +8,31 @@ Standard layout, per call (T tokens, K top-k, E_l local experts)::
     grouped_gemm #2    y = a2 @ W2[e]^T (+ b2) * w[t,k]    [T*K, H]           (1 launch)
     moe_sum            out[t] = sum_k y[t, k]              [T, H]             (1 launch)
 
-Workspace: h and y, 2 * T*K * max(2I, H) elements of the model dtype plus a2;
-``MoEKernel`` chunking bounds T. Batched layout: the same two GEMMs over
-[E_l, M, .] with per-expert counts read by the kernel (no align, no sum:
-combine weights and scatters).
+Workspace (``workspace``, declared from the shapes): h [T*K, 2I] and y [T*K, H] in
+the model dtype, a2 [T*K, I] quantized as scheme.a2 (plus its row scales);
+``MoEKernel`` chunking bounds T. Given a workspace (``MoEKernel.allocate``), ``apply``
+writes into it and allocates none of these. Batched layout: the same two GEMMs over
+[E_l, M, .] with per-expert counts read by the kernel (no align, no sum: combine
+weights and scatters); its workspace is h and a2 for E_l * M rows.
 
 Rows that no local pair writes (pairs of experts mapped to -1, rows past the
 counts) are zero-filled before the activation so a per-tensor dynamic a2 scale
-never sees uninitialised memory (zeros leave an abs-max unchanged).
+never sees uninitialised memory (zeros leave an abs-max unchanged). With a
+reused workspace this matters more: such rows hold the previous call's values.
+
+Deterministic mode (``deterministic``; ``FUSEDMOE_DETERMINISTIC=1`` when built): the
+launch config no longer depends on the token count (``pick_launch_config``), so every
+token meets the same tiles and K-loop order whatever batch it is in. Nothing else
+here depends on T: no kernel reduces with atomic adds (the sum over top-k is
+``moe_sum``, in k order; the only atomic is an order-free ``atomic_max`` for a
+per-tensor dynamic scale) and there is no split-K.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..kernel import deterministic_from_env, quantized_layout, take
 from ..kernels._common import interpreting
 from ..kernels.act_quant import act_and_quantize
 from ..kernels.align import moe_align
@@ -48,12 +59,48 @@ def _needs_native_fp8(scheme) -> bool:
     return scheme.a1 is not None and scheme.a1.dtype.value in ("fp8_e4m3", "mxfp8")
 
 
+def _tensor_dynamic(tq) -> bool:
+    return tq is not None and tq.dynamic and tq.granularity.kind == "tensor"
+
+
+def _a2_out(ws, tq, rows: int, cols: int, device) -> QTensor | torch.Tensor | None:
+    """``act_and_quantize``'s output buffers for ``rows`` rows, taken from the workspace
+    (None without one: it allocates its own)."""
+    if ws is None or "a2" not in ws:
+        return None
+    buf = ws["a2"]
+    data = take(ws, "a2", (rows, *buf.shape[1:]), buf.dtype, device)
+    if tq is None:
+        return data
+    scale = ws.get("a2_scale")
+    if scale is not None and not _tensor_dynamic(tq):
+        scale = take(ws, "a2_scale", (rows, *scale.shape[1:]), scale.dtype, device)
+    return QTensor(data, (rows, cols), scale=scale)
+
+
 class _TritonBase(Experts):
+    # Deterministic mode: launch configs chosen without looking at the token count
+    # (see the module docstring). MoEKernel(deterministic=...) sets it too.
+    deterministic: bool = False
+
+    def __init__(self, config, scheme) -> None:
+        super().__init__(config, scheme)
+        self.deterministic = deterministic_from_env()
+
     @classmethod
     def extra_checks(cls, config, scheme, platform):
         if platform.kind == "cuda" and _needs_native_fp8(scheme) and not platform.has_fp8:
             return f"fp8 activations need fp8 tensor cores (sm89+), platform is {platform.label}"
         return None
+
+    def _launch_config(self, rows: int, e_l: int, n: int, k: int, w_quant, a_quant):
+        return pick_launch_config(rows, e_l, n, k, scheme_key(w_quant, a_quant), deterministic=self.deterministic)
+
+    def _workspace(self, rows: int) -> Workspace:
+        c = self.config
+        shapes = {"h": ((rows, c.w13_rows), c.dtype)}
+        shapes.update(quantized_layout("a2", self.scheme.a2, rows, c.intermediate_size, c.dtype))
+        return Workspace(shapes)
 
 
 class TritonExperts(_TritonBase):
@@ -71,26 +118,22 @@ class TritonExperts(_TritonBase):
     )
 
     def workspace(self, num_tokens: int, num_local_experts: int) -> Workspace:
-        c = self.config
-        pairs = num_tokens * c.top_k
-        return Workspace(
-            {
-                "h": ((pairs, c.w13_rows), c.dtype),
-                "y": ((pairs, c.hidden_size), c.dtype),
-            }
-        )
+        pairs = num_tokens * self.config.top_k
+        ws = self._workspace(pairs)
+        ws.shapes["y"] = ((pairs, self.config.hidden_size), self.config.dtype)
+        return ws
 
     def apply(self, a, topk, weights, out, *, expert_map=None, workspace=None):
         cfg, sch = self.config, self.scheme
         t, k = topk.ids.shape
         if t == 0:
             return
+        dev = a.data.device
         e_l = weights.num_experts
         pairs = t * k
-        ws = workspace or self.workspace(t, e_l).allocate(a.data.device)
-        lc = pick_launch_config(pairs, e_l, cfg.w13_rows, cfg.hidden_size, scheme_key(sch.w1, sch.a1))
+        lc = self._launch_config(pairs, e_l, cfg.w13_rows, cfg.hidden_size, sch.w1, sch.a1)
         routing = moe_align(topk.ids, e_l, lc.block_m, expert_map)
-        h = ws["h"][:pairs]
+        h = take(workspace, "h", (pairs, cfg.w13_rows), cfg.dtype, dev)
         if expert_map is not None:
             h.zero_()
         grouped_gemm(
@@ -106,10 +149,11 @@ class TritonExperts(_TritonBase):
             out=h,
             config=lc,
         )
-        a2 = act_and_quantize(h, cfg, sch.a2, **_a2_static(sch, weights))
+        a2_out = _a2_out(workspace, sch.a2, pairs, cfg.intermediate_size, dev)
+        a2 = act_and_quantize(h, cfg, sch.a2, out=a2_out, **_a2_static(sch, weights))
         a2 = a2 if isinstance(a2, QTensor) else QTensor(a2, tuple(a2.shape))
-        y = ws["y"][:pairs]
-        lc2 = pick_launch_config(pairs, e_l, cfg.hidden_size, cfg.intermediate_size, scheme_key(sch.w2, sch.a2))
+        y = take(workspace, "y", (pairs, cfg.hidden_size), cfg.dtype, dev)
+        lc2 = self._launch_config(pairs, e_l, cfg.hidden_size, cfg.intermediate_size, sch.w2, sch.a2)
         grouped_gemm(
             a2.data,
             weights.w2,
@@ -140,10 +184,16 @@ class TritonBatchedExperts(_TritonBase):
         seed_names=("triton (batched)",),
     )
 
+    def workspace(self, num_tokens: int, num_local_experts: int) -> Workspace:
+        """Buffers for ``num_tokens`` rows per expert (M of the batched layout)."""
+        return self._workspace(num_local_experts * num_tokens)
+
     def apply_batched(self, a, counts, weights, out, *, workspace=None):
         cfg, sch = self.config, self.scheme
         e_l, m = a.shape[0], a.shape[1]
-        h = torch.zeros(e_l, m, cfg.w13_rows, dtype=cfg.dtype, device=a.data.device)
+        dev = a.data.device
+        rows = e_l * m
+        h = take(workspace, "h", (rows, cfg.w13_rows), cfg.dtype, dev).zero_()
         grouped_gemm_batched(
             a.data,
             weights.w13,
@@ -153,11 +203,13 @@ class TritonBatchedExperts(_TritonBase):
             a_scale=a.scale,
             a_global_scale=a.global_scale,
             bias=weights.b13,
-            out=h,
+            out=h.view(e_l, m, -1),
+            config=self._launch_config(rows, e_l, cfg.w13_rows, cfg.hidden_size, sch.w1, sch.a1),
         )
-        a2 = act_and_quantize(h.view(e_l * m, -1), cfg, sch.a2, **_a2_static(sch, weights))
+        a2_out = _a2_out(workspace, sch.a2, rows, cfg.intermediate_size, dev)
+        a2 = act_and_quantize(h, cfg, sch.a2, out=a2_out, **_a2_static(sch, weights))
         if isinstance(a2, QTensor):
-            row_scale = a2.scale is not None and a2.scale.shape[0] == e_l * m
+            row_scale = a2.scale is not None and a2.scale.shape[0] == rows
             data = a2.data.view(e_l, m, -1)
             scale = a2.scale.view(e_l, m, -1) if row_scale else a2.scale
             a2_scale, a2_g = scale, a2.global_scale
@@ -173,4 +225,5 @@ class TritonBatchedExperts(_TritonBase):
             a_global_scale=a2_g,
             bias=weights.b2,
             out=out,
+            config=self._launch_config(rows, e_l, cfg.hidden_size, cfg.intermediate_size, sch.w2, sch.a2),
         )
