@@ -57,3 +57,12 @@ def test_override_and_env_pin_take_precedence(tuned_dir, monkeypatch):
 def test_no_gpu_means_no_tuned_lookup(tmp_path, monkeypatch):
     monkeypatch.setattr(tuned_configs, "current_gpu", lambda: None)
     assert tuned_configs.lookup(16, 8, 256, 128, "bf16") is None
+
+
+@pytest.mark.parametrize("key", ["fp8", "int8", "fp8_block", "int8_block", "w8a16", "int4", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("k", [8, 16, 24])
+def test_heuristic_keeps_the_dot_minimum_for_tiny_k(key, k):
+    # Hopper's tl.dot rejects 8-bit operands with K < 32 (a CompilationError the GPU fuzzer hit
+    # at H = I = 8, fp8 per-tensor); masked tiles make a longer BK safe
+    assert default_launch_config(1, 1, 16, k, key).block_k >= 32
+    assert default_launch_config(1, 1, 16, k, "bf16").block_k >= 16

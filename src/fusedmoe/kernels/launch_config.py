@@ -104,7 +104,9 @@ def default_launch_config(m_pairs: int, num_experts: int, n: int, k: int, scheme
     stages = 4 if bm <= 32 else 3
     group_m = 1 if bm == 16 else 8
     bn = min(bn, max(16, _pow2_at_least(n)))
-    bk = min(bk, max(16, _pow2_at_least(k)))
+    # tl.dot needs K >= 32 for 8-bit operands and >= 16 for 16-bit ones on Hopper; a tile
+    # longer than K is masked, so tiny K (H = I = 8, found by the GPU fuzzer) keeps the minimum
+    bk = min(bk, max(32 if narrow else 16, _pow2_at_least(k)))
     return LaunchConfig(bm, bn, bk, group_m, warps, stages)
 
 
