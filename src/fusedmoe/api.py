@@ -13,6 +13,7 @@ from .oracle import select_experts
 from .platform import Platform
 from .quant import QuantScheme
 from .registry import get_dispatcher, get_experts
+from .validation import validate_call
 from .weights import ExpertWeights
 
 
@@ -44,6 +45,8 @@ def fused_moe(
     choice = select_experts(
         config, scheme, platform=platform, layout=layout, backend=backend, expert_map=expert_map is not None
     )
+    # after the oracle: a configuration no backend runs is refused before its inputs are looked at
+    validate_call(x, topk.ids, topk.weights, weights, config, scheme, expert_map)
     # the backend may compute with another activation precision than asked (e.g. mxfp8 for mxfp4)
     scheme = choice.effective_scheme or scheme
     experts = get_experts(choice.backend)(config, scheme)

@@ -59,6 +59,7 @@ from .platform import Platform, current_platform
 from .quant import QDtype, QTensor, QuantScheme, TensorQuant, dequantize, quantize
 from .registry import get_dispatcher, get_experts
 from .routing import RouterConfig
+from .validation import validate_call
 from .weights import ExpertWeights
 
 __all__ = ["FusedMoE", "SHARDS"]
@@ -583,6 +584,16 @@ class FusedMoE(torch.nn.Module):
         )
         expect(x.dtype == c.dtype, "hidden_states", f"dtype {c.dtype} (MoEConfig.dtype)", x.dtype)
         topk = self.router.route(logits, self.e_score_correction_bias)
+        validate_call(
+            x.contiguous(),
+            topk.ids,
+            topk.weights,
+            self.expert_weights,
+            c,
+            self.scheme,
+            self.expert_map,
+            weights_checked=True,
+        )
         if self._pad[0]:
             x = F.pad(x, (0, self._pad[0]))
         out = self.kernel(x.contiguous(), topk, self.expert_weights, expert_map=self.expert_map)

@@ -132,7 +132,8 @@ class TritonExperts(_TritonBase):
         e_l = weights.num_experts
         pairs = t * k
         lc = self._launch_config(pairs, e_l, cfg.w13_rows, cfg.hidden_size, sch.w1, sch.a1)
-        routing = moe_align(topk.ids, e_l, lc.block_m, expert_map)
+        ids = topk.ids.to(torch.int32)  # the align kernel takes int32; routers may give int64
+        routing = moe_align(ids, e_l, lc.block_m, expert_map)
         h = take(workspace, "h", (pairs, cfg.w13_rows), cfg.dtype, dev)
         if expert_map is not None:
             h.zero_()
@@ -168,7 +169,7 @@ class TritonExperts(_TritonBase):
             out=y,
             config=lc2,
         )
-        moe_sum(y.view(t, k, -1), out, topk_ids=topk.ids, expert_map=expert_map)
+        moe_sum(y.view(t, k, -1), out, topk_ids=ids, expert_map=expert_map)
 
 
 class TritonBatchedExperts(_TritonBase):

@@ -27,7 +27,9 @@ class _Linear:
     def scale_for(self, x: torch.Tensor, tq: TensorQuant) -> torch.Tensor:
         amax = group_amax(x, tq.granularity)
         s = amax / torch.full_like(amax, self.qmax)  # IEEE division on CUDA too (not * 1/qmax)
-        return torch.where(amax > 0, s, torch.ones_like(s))
+        # an all-zero group gets scale 1; a NaN abs-max stays NaN, so a NaN input poisons what
+        # shares its scale instead of being quantized with a made-up scale of 1
+        return torch.where(amax > 0, s, torch.where(torch.isnan(amax), amax, torch.ones_like(s)))
 
     def quantize(self, x, tq, *, scale=None, global_scale=None, g_idx=None) -> QTensor:
         n, k = x.shape[-2], x.shape[-1]
