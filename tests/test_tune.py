@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from fusedmoe.kernels import tuned_configs
 from fusedmoe.kernels.launch_config import LaunchConfig, pick_launch_config
 from fusedmoe.tune import candidates, tune
@@ -15,18 +17,26 @@ def test_candidates_keep_small_tiles_for_decode():
     assert any(c.block_m == 128 for c in candidates("quick", 64 * 512, 64))
 
 
-def test_tuned_files_round_trip_into_pick_launch_config(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    """Both GEMMs of a tiny layer, tuned once (two candidates each, under the interpreter)."""
+    out = tmp_path_factory.mktemp("tuned")
     paths = tune(
         "small",
         "bf16",
         [1, 8],
-        out_dir=tmp_path,
+        out_dir=out,
         space="tiny",
         device="cpu",
         num_experts=4,
         hidden_size=64,
         intermediate_size=32,
     )
+    return out, paths
+
+
+def test_tuned_files_round_trip_into_pick_launch_config(tuned, monkeypatch):
+    tmp_path, paths = tuned
     assert len(paths) == 2
     data = json.loads(paths[0].read_text())
     assert set(data["configs"]) == {"2", "16"}  # pairs = T * K with K = 2
@@ -38,18 +48,8 @@ def test_tuned_files_round_trip_into_pick_launch_config(tmp_path, monkeypatch):
     tuned_configs.clear_cache()
 
 
-def test_second_gemm_is_tuned_under_the_first_gemms_block_m(tmp_path):
-    paths = tune(
-        "small",
-        "bf16",
-        [1, 8],
-        out_dir=tmp_path,
-        space="tiny",
-        device="cpu",
-        num_experts=4,
-        hidden_size=64,
-        intermediate_size=32,
-    )
+def test_second_gemm_is_tuned_under_the_first_gemms_block_m(tuned):
+    _, paths = tuned
     first, second = (json.loads(p.read_text()) for p in paths)
     for pairs, cfg in first["configs"].items():
         assert second["configs"][pairs]["block_m"] == cfg["block_m"]

@@ -584,19 +584,13 @@ class FusedMoE(torch.nn.Module):
         )
         expect(x.dtype == c.dtype, "hidden_states", f"dtype {c.dtype} (MoEConfig.dtype)", x.dtype)
         topk = self.router.route(logits, self.e_score_correction_bias)
-        validate_call(
-            x.contiguous(),
-            topk.ids,
-            topk.weights,
-            self.expert_weights,
-            c,
-            self.scheme,
-            self.expert_map,
-            weights_checked=True,
-        )
+        # expert_weights is built from the parameters on each access: take it once per forward
+        weights = self.expert_weights
+        x = x.contiguous()
+        validate_call(x, topk.ids, topk.weights, weights, c, self.scheme, self.expert_map, weights_checked=True)
         if self._pad[0]:
             x = F.pad(x, (0, self._pad[0]))
-        out = self.kernel(x.contiguous(), topk, self.expert_weights, expert_map=self.expert_map)
+        out = self.kernel(x, topk, weights, expert_map=self.expert_map)
         if self._pad[0]:
             out = out[:, : c.hidden_size]
         return out.reshape(shape)

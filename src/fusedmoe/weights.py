@@ -58,6 +58,21 @@ class ExpertWeights:
             a2_global_scale=mv(self.a2_global_scale),
         )
 
+    def act_scales(self, operand: str, tq) -> dict:
+        """Quantization arguments of activation ``operand`` ('a1' or 'a2') from the checkpoint:
+        its scale when ``tq`` is static, and its global scale (NVFP4). Empty for dynamic
+        schemes and unquantized activations; every backend and dispatcher takes them here."""
+        kw = {}
+        if tq is None:
+            return kw
+        scale = getattr(self, f"{operand}_scale")
+        if not tq.dynamic and scale is not None:
+            kw["scale"] = scale
+        gscale = getattr(self, f"{operand}_global_scale")
+        if gscale is not None:
+            kw["global_scale"] = gscale
+        return kw
+
     def dequantized(self, scheme: QuantScheme, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """(W13, W2) as real numbers in ``dtype``, reference layout."""
         expect(self.layout == "reference", "ExpertWeights.layout", "'reference'", self.layout)

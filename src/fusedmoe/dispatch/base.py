@@ -115,12 +115,9 @@ class Dispatcher:
             x = x32.to(x.dtype) if tq is None else x32
         if tq is None:
             return QTensor(x, tuple(x.shape))
-        static = {}
-        scale = weights.a1_scale if not tq.dynamic else a1_scale
-        if scale is not None:
-            static["scale"] = scale
-        if weights.a1_global_scale is not None:
-            static["global_scale"] = weights.a1_global_scale
+        static = weights.act_scales("a1", tq)
+        if tq.dynamic and a1_scale is not None:
+            static["scale"] = a1_scale  # pinned over a whole chunked input (MoEKernel)
         if x.is_cuda:  # one fused kernel instead of a chain of PyTorch ops
             from ..kernels.act_quant import quantize_activations
 

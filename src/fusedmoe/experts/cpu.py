@@ -32,14 +32,6 @@ class CpuExperts(Experts):
         seed_names=("cpu_fused_moe",),
     )
 
-    def _a2_static(self, weights) -> dict:
-        static = {}
-        if self.scheme.a2 is not None and not self.scheme.a2.dynamic:
-            static["scale"] = weights.a2_scale
-        if weights.a2_global_scale is not None:
-            static["global_scale"] = weights.a2_global_scale
-        return static
-
     def _expert_weight(self, q, tq, e, dtype):
         if tq is None:
             return q.data[e].to(dtype)
@@ -72,7 +64,7 @@ class CpuExperts(Experts):
                 if weights.b13 is not None:
                     h = h + weights.b13[e].to(dt)
                 inter[s0:s1] = apply_activation(h, cfg)
-            inter = fake_quantize(inter, sch.a2, dt, **self._a2_static(weights))
+            inter = fake_quantize(inter, sch.a2, dt, **weights.act_scales("a2", sch.a2))
             y = torch.empty(order.numel(), cfg.hidden_size, dtype=torch.float32)
             for e, s0, s1 in spans:
                 ye = inter[s0:s1] @ self._expert_weight(weights.w2, sch.w2, e, dt).T
@@ -114,7 +106,7 @@ class LoopExperts(CpuExperts):
             h = x[tok] @ self._expert_weight(weights.w13, sch.w1, e, dt).T
             if weights.b13 is not None:
                 h = h + weights.b13[e].to(dt)
-            inter = fake_quantize(apply_activation(h, cfg), sch.a2, dt, **self._a2_static(weights))
+            inter = fake_quantize(apply_activation(h, cfg), sch.a2, dt, **weights.act_scales("a2", sch.a2))
             y = inter @ self._expert_weight(weights.w2, sch.w2, e, dt).T
             if weights.b2 is not None:
                 y = y + weights.b2[e].to(dt)

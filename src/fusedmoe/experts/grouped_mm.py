@@ -68,13 +68,6 @@ def _schemes() -> frozenset[str]:
     return frozenset({"bf16"} | (FP8_ROWWISE if _SCALED_GROUPED_MM is not None else set()))
 
 
-def _a2_static(scheme, weights) -> dict:
-    kw = {}
-    if scheme.a2 is not None and not scheme.a2.dynamic:
-        kw["scale"] = weights.a2_scale
-    return kw
-
-
 def _row_scales(q: QTensor, tq) -> torch.Tensor:
     """Weight scales [E, N] fp32 (per-channel as is, per-tensor broadcast), as _scaled_grouped_mm takes them."""
     e, n = q.shape[0], q.shape[1]
@@ -190,7 +183,7 @@ class GroupedMMExperts(Experts):
         if valid is not None:
             h = h.masked_fill(~valid, 0)
         act = act_and_quantize if h.is_cuda else act_and_quantize_ref
-        a2 = act(h, cfg, sch.a2, **_a2_static(sch, weights))
+        a2 = act(h, cfg, sch.a2, **weights.act_scales("a2", sch.a2))
         a2 = a2 if isinstance(a2, QTensor) else QTensor(a2, tuple(a2.shape))
         y = self._gemm(a2, None, w2, s2, offs).float()
         if weights.b2 is not None:

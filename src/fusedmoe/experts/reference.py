@@ -27,15 +27,6 @@ from ..weights import ExpertWeights
 from .base import ALL_SCHEMES, Capabilities, Experts, TokenLayout, WeightedReduce
 
 
-def _act_quant(x: torch.Tensor, tq, scale, global_scale, dtype: torch.dtype) -> torch.Tensor:
-    static = {}
-    if tq is not None and not tq.dynamic and scale is not None:
-        static["scale"] = scale
-    if tq is not None and global_scale is not None:
-        static["global_scale"] = global_scale
-    return fake_quantize(x, tq, dtype, **static)
-
-
 def expert_ffn_rows(
     xq: torch.Tensor,
     expert: torch.Tensor,
@@ -58,7 +49,7 @@ def expert_ffn_rows(
         if weights.b13 is not None:
             h = h + weights.b13[e].to(dtype)
         inter[rows] = apply_activation(h, config)
-    aq = _act_quant(inter, scheme.a2, weights.a2_scale, weights.a2_global_scale, dtype)
+    aq = fake_quantize(inter, scheme.a2, dtype, **weights.act_scales("a2", scheme.a2))
     out = torch.empty(m, config.hidden_size, dtype=dtype, device=xq.device)
     for e in torch.unique(expert).tolist():
         rows = (expert == e).nonzero(as_tuple=True)[0]
@@ -81,7 +72,7 @@ def quantize_input(
     x_in = x.to(dtype)
     if config.apply_router_weight_on_input:
         x_in = x_in * topk_weights.to(dtype).reshape(-1, 1)
-    return _act_quant(x_in, scheme.a1, weights.a1_scale, weights.a1_global_scale, dtype)
+    return fake_quantize(x_in, scheme.a1, dtype, **weights.act_scales("a1", scheme.a1))
 
 
 def moe_reference(

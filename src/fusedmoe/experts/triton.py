@@ -46,15 +46,6 @@ from .base import ALL_SCHEMES, Capabilities, Experts, TokenLayout, WeightedReduc
 _PLATFORMS = frozenset({"cuda"} | ({"cpu"} if interpreting() else set()))
 
 
-def _a2_static(scheme, weights) -> dict:
-    kw = {}
-    if scheme.a2 is not None and not scheme.a2.dynamic:
-        kw["scale"] = weights.a2_scale
-    if weights.a2_global_scale is not None:
-        kw["global_scale"] = weights.a2_global_scale
-    return kw
-
-
 def _needs_native_fp8(scheme) -> bool:
     return scheme.a1 is not None and scheme.a1.dtype.value in ("fp8_e4m3", "mxfp8")
 
@@ -151,7 +142,7 @@ class TritonExperts(_TritonBase):
             config=lc,
         )
         a2_out = _a2_out(workspace, sch.a2, pairs, cfg.intermediate_size, dev)
-        a2 = act_and_quantize(h, cfg, sch.a2, out=a2_out, **_a2_static(sch, weights))
+        a2 = act_and_quantize(h, cfg, sch.a2, out=a2_out, **weights.act_scales("a2", sch.a2))
         a2 = a2 if isinstance(a2, QTensor) else QTensor(a2, tuple(a2.shape))
         y = take(workspace, "y", (pairs, cfg.hidden_size), cfg.dtype, dev)
         lc2 = self._launch_config(pairs, e_l, cfg.hidden_size, cfg.intermediate_size, sch.w2, sch.a2)
@@ -208,7 +199,7 @@ class TritonBatchedExperts(_TritonBase):
             config=self._launch_config(rows, e_l, cfg.w13_rows, cfg.hidden_size, sch.w1, sch.a1),
         )
         a2_out = _a2_out(workspace, sch.a2, rows, cfg.intermediate_size, dev)
-        a2 = act_and_quantize(h, cfg, sch.a2, out=a2_out, **_a2_static(sch, weights))
+        a2 = act_and_quantize(h, cfg, sch.a2, out=a2_out, **weights.act_scales("a2", sch.a2))
         if isinstance(a2, QTensor):
             row_scale = a2.scale is not None and a2.scale.shape[0] == rows
             data = a2.data.view(e_l, m, -1)
