@@ -8,6 +8,11 @@ Measured on triton 3.6-3.9 (see the project notes on the interpreter):
   even, fp8 saturating at the format's max, like the GPU's cvt.rn.satfinite).
 - ``@triton.autotune`` with several configs asks for a GPU benchmarker; we run
   each config once instead (which also checks every config).
+- float ``tl.maximum``/``tl.minimum`` without ``propagate_nan`` (maxnum/minnum) propagate
+  NaN here (np.maximum; seen on 3.6), where the GPU returns the other operand (PTX max.f32/min.f32);
+  we use np.fmax/np.fmin, so a kernel that loses a NaN on the GPU loses it here too.
+- e4m3fn -> wider casts read the NaN codes 0x7F/0xFF as +-480 (e4m3fn has no Inf; the
+  generic converter assumes IEEE specials); we route them through torch too.
 Nothing here changes what a kernel computes on a GPU.
 """
 
@@ -38,7 +43,15 @@ def _to_f32(data, dtype):
     return _orig_convert(data, dtype, tl.float32, None).view(np.float32)
 
 
+_INT = {16: (torch.int16, np.uint16), 32: (torch.int32, np.uint32), 64: (torch.int64, np.uint64)}
+_FLOAT = {tl.float16: torch.float16, tl.bfloat16: torch.bfloat16, tl.float32: torch.float32, tl.float64: torch.float64}
+
+
 def _convert_float(input, input_dtype, output_dtype, rounding_mode):
+    if input_dtype == tl.float8e4nv and output_dtype in _FLOAT:
+        t = torch.from_numpy(np.ascontiguousarray(input).view(np.uint8)).view(torch.float8_e4m3fn)
+        tint, npint = _INT[output_dtype.primitive_bitwidth]
+        return t.to(_FLOAT[output_dtype]).view(tint).numpy().view(npint)
     down = output_dtype.primitive_bitwidth < input_dtype.primitive_bitwidth
     if not down or output_dtype not in _TORCH:
         return _orig_convert(input, input_dtype, output_dtype, rounding_mode)
@@ -69,5 +82,7 @@ def _do_bench(self):
 
 def apply() -> None:
     ip._convert_float = _convert_float
+    ip.InterpreterBuilder.create_maxnumf = lambda self, lhs, rhs: self.binary_op(lhs, rhs, np.fmax)
+    ip.InterpreterBuilder.create_minnumf = lambda self, lhs, rhs: self.binary_op(lhs, rhs, np.fmin)
     ip.InterpreterBuilder.create_dot = _create_dot
     at.Autotuner.do_bench = property(_do_bench)

@@ -15,7 +15,8 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from fusedmoe import ops
+from fusedmoe import api, ops
+from fusedmoe.api import fused_moe
 from fusedmoe.config import MoEConfig
 from fusedmoe.dispatch.local import LocalDispatcher
 from fusedmoe.errors import FusedMoEError
@@ -32,10 +33,16 @@ E, K, H, I = 4, 2, 64, 32
 EXPERTS = {"cpu": CpuExperts, "triton": TritonExperts}
 
 
-class TinyModel(torch.nn.Module):
-    """Linear -> FusedMoE (grouped sigmoid routing with a correction bias) -> Linear."""
+def llama4_routing(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A custom routing function (Llama-4 style): top-k of the logits, sigmoid of those."""
+    vals, ids = torch.topk(logits, top_k, dim=1)
+    return torch.sigmoid(vals.float()), ids
 
-    def __init__(self, backend: str, device="cpu", dtype=torch.float32, h=H, i=I, e=E, k=K) -> None:
+
+class TinyModel(torch.nn.Module):
+    """Linear -> FusedMoE (grouped sigmoid routing with a correction bias, or ``custom_fn``) -> Linear."""
+
+    def __init__(self, backend: str, device="cpu", dtype=torch.float32, h=H, i=I, e=E, k=K, custom_fn=None) -> None:
         super().__init__()
         g = torch.Generator().manual_seed(0)
         config = MoEConfig(num_experts=e, top_k=k, hidden_size=h, intermediate_size=i, dtype=dtype)
@@ -43,6 +50,8 @@ class TinyModel(torch.nn.Module):
         self.inp = torch.nn.Linear(h, h, dtype=dtype)
         self.gate = torch.nn.Linear(h, e, bias=False, dtype=dtype)
         bias = torch.rand(e, generator=g) * 0.1
+        if custom_fn is not None:
+            router, bias = RouterConfig(e, k, custom_fn=custom_fn), None
         self.moe = FusedMoE(config, router=router, backend=backend, correction_bias=bias)
         w13 = torch.randn(e, config.w13_rows, h, generator=g) * h**-0.5
         w2 = torch.randn(e, h, i, generator=g) * i**-0.5
@@ -112,6 +121,86 @@ def test_model_compiles_without_graph_break(mode, backend, op_calls):
         for g in counter.graphs:
             op = torch.ops.fusedmoe.moe_forward
             assert any(node.target in (op, op.default) for node in g.graph.nodes)
+
+
+@pytest.mark.parametrize("mode", ["eager", "aot_eager", "inductor"])
+def test_custom_routing_fn_compiles_without_graph_break(mode, op_calls):
+    """A traceable ``RouterConfig.custom_fn``: its result's values are checked only with value
+    checks on (a host sync), so by default the router is part of the one graph."""
+    torch._dynamo.reset()
+    model = TinyModel("cpu", custom_fn=llama4_routing).eval()
+    counter = None if mode == "eager" else CompileCounterWithBackend(mode)
+    run = model if counter is None else torch.compile(model, fullgraph=True, backend=counter)
+    with torch.no_grad():
+        x = _inputs(7, seed=2)
+        ref = model(x)
+        assert not op_calls, "eager mode dispatched through the custom op"
+        got = run(x)
+    tol = 0.0 if mode != "inductor" else 1e-5
+    torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
+    if counter is not None:
+        assert len(op_calls) == 1 and counter.frame_count == len(counter.graphs) == 1
+        op = torch.ops.fusedmoe.moe_forward
+        assert any(node.target in (op, op.default) for node in counter.graphs[0].graph.nodes)
+
+
+@pytest.mark.parametrize(
+    "mode,backend,scheme",
+    [
+        ("eager", "cpu", "bf16"),
+        ("aot_eager", "cpu", "bf16"),
+        ("aot_eager", "triton", "fp8_block"),
+        ("inductor", "cpu", "bf16"),
+    ],
+)
+def test_fused_moe_compiles_without_graph_break(mode, backend, scheme, op_calls):
+    """The functional API: Linear -> fused_moe (router logits, default router) -> Linear. The
+    kernel comes from ``fused_moe``'s cache, so eager and compiled calls run the same one."""
+    torch._dynamo.reset()
+    config = MoEConfig(num_experts=E, top_k=K, hidden_size=H, intermediate_size=I, dtype=torch.float32)
+    s = QuantScheme.by_name(scheme)
+    prob = make_problem(config, s, 5, seed=3)
+    g = torch.Generator().manual_seed(1)
+    w_in, w_gate = torch.randn(H, H, generator=g) * H**-0.5, torch.randn(E, H, generator=g)
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        h = x @ w_in.T
+        return fused_moe(h, h @ w_gate.T, prob.weights, config, s, backend=backend) @ w_in
+
+    counter = None if mode == "eager" else CompileCounterWithBackend(mode)
+    run = layer if counter is None else torch.compile(layer, fullgraph=True, backend=counter)
+    with torch.no_grad():
+        for t in (5, 9) if mode == "aot_eager" else (5,):
+            x = _inputs(t, seed=t)
+            ref = layer(x)
+            assert not op_calls, "eager mode dispatched through the custom op"
+            got = run(x)
+            tol = 0.0 if mode != "inductor" else 1e-5
+            torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
+            if counter is not None:
+                assert len(op_calls) == 1, "the compiled graph did not run the op"
+                # the graph runs the kernel the eager calls use (one per configuration)
+                assert op_calls.pop() == api.cached_kernel(config, s, backend).name
+    if counter is not None:
+        assert counter.frame_count == len(counter.graphs) >= 1
+        op = torch.ops.fusedmoe.moe_forward
+        assert all(any(n.target in (op, op.default) for n in g.graph.nodes) for g in counter.graphs)
+
+
+def test_fused_moe_kernel_cache(monkeypatch):
+    """One kernel per configuration, reused; bounded; the environment knobs a kernel reads are keys."""
+    config = MoEConfig(num_experts=E, top_k=K, hidden_size=H, intermediate_size=I)
+    s = QuantScheme.unquantized()
+    a = api.cached_kernel(config, s, "cpu")
+    assert api.cached_kernel(config, s, "cpu") is a and api.cached_kernel(config, s, "reference") is not a
+    assert api.cached_kernel(config, s, "cpu", chunk_size=3).chunk_size == 3
+    monkeypatch.setenv("FUSEDMOE_DETERMINISTIC", "1")
+    d = api.cached_kernel(config, s, "cpu")
+    assert d is not a and d.deterministic and not a.deterministic
+    monkeypatch.setattr(api, "KERNEL_CACHE_SIZE", 2)
+    for c in (3, 4, 5):
+        api.cached_kernel(config, s, "cpu", chunk_size=c)
+    assert len(api._KERNELS) == 2
 
 
 def _kernel(backend: str, scheme: QuantScheme, shared=None) -> tuple[MoEKernel, object]:

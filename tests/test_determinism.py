@@ -1,7 +1,8 @@
 """Deterministic mode: a token's output is bitwise the same alone, in any batch, and run to run.
 
 What makes it so (``experts.triton``): launch configs chosen without the token count, no
-atomic adds, the sum over top-k in k order, the batched combine summed in k order too.
+atomic adds, the sum over top-k in k order, the batched combine summed in k order too; on the
+CPU (``experts.cpu``), GEMMs over fixed 16-row tiles.
 Tokens still meet through a per-tensor *dynamic* activation scale (an amax over the
 batch), so those schemes are left out of the batch-invariance cases on purpose.
 """
@@ -17,7 +18,7 @@ import torch
 import fusedmoe.kernels
 from fusedmoe.config import MoEConfig
 from fusedmoe.dispatch.local import LocalBatchedDispatcher, LocalDispatcher
-from fusedmoe.experts.cpu import CpuExperts
+from fusedmoe.experts.cpu import CpuExperts, LoopExperts
 from fusedmoe.experts.triton import TritonBatchedExperts, TritonExperts
 from fusedmoe.kernel import DETERMINISTIC_ENV, MoEKernel
 from fusedmoe.kernels.launch_config import default_launch_config, pick_launch_config
@@ -31,6 +32,8 @@ def _kernel(path: str, config: MoEConfig, scheme: QuantScheme, **kw) -> MoEKerne
         return MoEKernel(LocalDispatcher(config, scheme), TritonExperts(config, scheme), **kw)
     if path == "local+cpu":
         return MoEKernel(LocalDispatcher(config, scheme), CpuExperts(config, scheme), **kw)
+    if path == "local+loop":
+        return MoEKernel(LocalDispatcher(config, scheme), LoopExperts(config, scheme), **kw)
     return MoEKernel(LocalBatchedDispatcher(config, scheme), TritonBatchedExperts(config, scheme), **kw)
 
 
@@ -59,17 +62,11 @@ CPU_CASES = [
     ("local_batched+triton_batched", "fp8_block", torch.bfloat16),
     ("local+cpu", "bf16", torch.bfloat16),
     ("local+cpu", "fp8_block", torch.bfloat16),
-    pytest.param(
-        "local+cpu",
-        "bf16",
-        torch.float32,
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="fp32 GEMMs on the CPU are MKL sgemm, whose result for a row changes with the number "
-            "of rows (1 row vs 2+: 5e-7); bf16/fp16 (oneDNN) are batch-invariant. A fix belongs in "
-            "experts/cpu.py (GEMMs over fixed 16-row tiles measured invariant)",
-        ),
-    ),
+    # fp32 on the CPU is MKL sgemm, whose result for a row changes with the number of rows in the
+    # call (1 row vs 2+: 5e-7): deterministic mode runs the cpu backend's GEMMs over fixed 16-row tiles
+    ("local+cpu", "bf16", torch.float32),
+    ("local+cpu", "int8_w8a8_channel", torch.float32),
+    ("local+loop", "bf16", torch.float32),
 ]
 
 
@@ -93,11 +90,11 @@ def test_launch_config_does_not_depend_on_the_token_count():
 def test_env_var_and_argument(monkeypatch):
     config = MoEConfig(num_experts=4, top_k=2, hidden_size=64, intermediate_size=32)
     s = QuantScheme.unquantized()
-    assert not TritonExperts(config, s).deterministic
+    assert not TritonExperts(config, s).deterministic and not CpuExperts(config, s).deterministic
     assert not _kernel("local+triton", config, s).deterministic
     monkeypatch.setenv(DETERMINISTIC_ENV, "1")
     experts = TritonExperts(config, s)
-    assert experts.deterministic
+    assert experts.deterministic and CpuExperts(config, s).deterministic
     assert _kernel("local+triton", config, s).deterministic
     assert MoEKernel(LocalDispatcher(config, s), experts).deterministic
     off = MoEKernel(LocalDispatcher(config, s), experts, deterministic=False)

@@ -4,6 +4,8 @@ Each multi-process test forks one world (fork start: ~0.02 s against ~3-6 s
 for spawn on 2 cores), on a fresh free port, with timeouts on the process
 group, the result queue and the joins, and runs a group of checks from
 ``fusedmoe.ep_check`` (the same code scripts/ep_suite.sh runs under NCCL).
+The row movers' Triton kernels (``dispatch/rows.py``) are checked against their
+PyTorch references in one process (the interpreter here, the GPU there).
 """
 
 from __future__ import annotations
@@ -22,7 +24,17 @@ import torch.multiprocessing as mp
 
 from fusedmoe import ep_check
 from fusedmoe.config import MoEConfig, ParallelConfig
+from fusedmoe.dispatch.rows import (
+    as_words,
+    gather_sum_launch,
+    gather_sum_ref,
+    route_launch,
+    route_ref,
+    scatter_rows_launch,
+    scatter_rows_ref,
+)
 from fusedmoe.distributed import ExpertPlacement, RowLayout, layer_fingerprint, shard_experts
+from fusedmoe.kernels._common import interpreting
 from fusedmoe.quant import QuantScheme
 from fusedmoe.testing import make_problem
 
@@ -43,8 +55,8 @@ def _cases(dev):
 def _bench_smoke(dev, out_dir):
     from fusedmoe import bench_ep
 
-    rc = bench_ep.main(["--preset", "tiny", "--tokens", "0,1,7", "--iters", "1", "--out", str(out_dir)])
-    return rc
+    argv = ["--preset", "tiny", "--tokens", "0,1,7", "--iters", "1", "--layer-tokens", "3", "--out", str(out_dir)]
+    return bench_ep.main(argv)
 
 
 def _barrier_job(dev):
@@ -116,7 +128,10 @@ def test_ep_dispatchers_match_reference(world):
     """allgather_reducescatter and all2all with reference/cpu experts, all2all_low_latency with
     reference_batched, x bf16/fp8_token/fp8_block; tokens (5, 0) / (3, 0, 8, 1); 7 experts on 2 and 4
     ranks, linear / round-robin; plus the router weight on the input, and on 2 ranks the other wire
-    formats (static fp8 tensor scale, int8 groups, MXFP8, NVFP4)."""
+    formats (static fp8 tensor scale, int8 groups, MXFP8, NVFP4). Each case runs every exchange path
+    (``ep_check.PATHS``: sizes exchanged, fixed blocks of a workspace, MoEKernel in chunks of 2 with and
+    without ``allocate``), and each path must have exchanged as ``ep_check.MODES`` says; the low-latency
+    dispatcher runs with (direct, no bound) and without (bound <= capacity) its overflow bookkeeping."""
     per_rank = _run_world(world, _cases)
     labels = {r.label for r in per_rank[0]}
     assert len(labels) == len(ep_check.cpu_cases(world))
@@ -125,10 +140,29 @@ def test_ep_dispatchers_match_reference(world):
     assert not bad, "\n".join(bad)
     assert any(r.rows == 0 for r in per_rank[1]), "one rank must hold no token"
     for r in per_rank[0]:
+        assert r.extra["modes"] == list(ep_check.MODES[r.label.split("+")[0]]), (r.label, r.extra["modes"])
+    for r in per_rank[0]:
         dname, scheme = r.label.split("+")[0], r.label.split("/")[1]
         # all2all sends the model dtype unless a1 has group/block scales; the others send a1's format
         want = scheme != "bf16" and (dname != "all2all" or scheme in GROUP_SCALED)
         assert r.extra["quantized_before_exchange"] == want, r.label
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_token_bound_edges(world):
+    """MoEKernel.allocate(2) with a rank holding 5 tokens: every rank leaves the workspace alone
+    together (all2all back to variable sizes) and matches the reference; workspaces of different
+    sizes raise on every rank."""
+    per_rank = _run_world(world, ep_check.check_bounds)
+    assert ep_check.bounds_ok(per_rank), per_rank
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fixed_blocks_never_sync_the_host(world):
+    """Fixed blocks: no .item()/.tolist()/nonzero/host-to-device copy in dispatch + combine (what a
+    CUDA graph needs); variable sizes: their one sync is seen, so the spy works."""
+    per_rank = _run_world(world, ep_check.check_no_host_sync)
+    assert ep_check.no_host_sync_ok(per_rank), per_rank
 
 
 def test_config_mismatch_raises_on_every_rank():
@@ -152,13 +186,26 @@ def test_low_latency_capacity_overflow_is_reported():
 
 
 def test_bench_ep_runs_on_gloo(tmp_path):
-    """The benchmark program end to end at a tiny shape (timings meaningless; the GPU suite measures)."""
+    """The benchmark program end to end at a tiny shape (timings meaningless; the GPU suite measures):
+    every (dispatcher, mode) row with its raw all-to-all and ratio, and the layer on one rank against EP."""
+    from fusedmoe import bench_ep
+
     assert _run_world(2, _bench_smoke, tmp_path) == [0, 0]
     data = json.loads((tmp_path / "bench_ep_w2.json").read_text())
     rows = data["rows"]
-    assert len(rows) == 2 * 3 * 3 and not [r for r in rows if "error" in r], rows
-    assert all(r["dispatch_MB"] >= 0 and r["dispatch_us"] > 0 for r in rows)
-    assert (tmp_path / "bench_ep_w2.md").read_text().count("| all2all_low_latency |") == 6
+    assert len(rows) == 2 * 3 * len(bench_ep.MODES) and not [r for r in rows if "error" in r], rows
+    assert all(r["dispatch_MB"] >= 0 and r["dispatch_us"] > 0 and r["ratio_eager"] > 0 for r in rows)
+    md = (tmp_path / "bench_ep_w2.md").read_text()
+    assert md.count("| all2all_low_latency | fixed |") == 6 and md.count("| all2all | variable |") == 6
+    layer = data["layer"]
+    assert [r["setup"] for r in layer if r["scheme"] == "bf16"] == [
+        "1 GPU",
+        "EP2 allgather_reducescatter",
+        "EP2 all2all",
+        "EP2 all2all_low_latency",
+    ], layer
+    assert not [r for r in layer if "error" in r], layer
+    assert all(r["speedup_eager"] > 0 for r in layer if r["setup"] != "1 GPU")
 
 
 def test_barrier_times_out_naming_the_missing_rank():
@@ -182,6 +229,91 @@ def test_placement_matches_parallel_config(world, placement):
             assert (pl.owner[g] == r) == (emap[g] >= 0)
             if pl.owner[g] == r:
                 assert pl.local_id[g] == emap[g]
+
+
+# ---- the row movers: Triton kernels (on the GPU, or the interpreter) against their references ----
+needs_triton = pytest.mark.skipif(
+    not (torch.cuda.is_available() or interpreting()), reason="needs a CUDA GPU or TRITON_INTERPRET=1"
+)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8])
+def test_scatter_rows_kernel_matches_reference(dtype, device):
+    """J = 3 destinations per row, -1 and out-of-range indices skipped, a strided index."""
+    g = torch.Generator().manual_seed(0)
+    n, d, r, j = 9, 40, 30, 3
+    src = torch.randint(0, 100, (n, d), generator=g).to(dtype)
+    perm = torch.randperm(r, generator=g)[: n * j].view(n, j)  # distinct destinations
+    idx = torch.cat([perm, torch.full((n, 1), 7)], dim=1)[:, :j]  # a strided [n, j] view
+    idx[0, 1], idx[2, 0], idx[4, 2] = -1, r, r + 5
+    fill = torch.full((r, d), 55, dtype=dtype)
+    want = scatter_rows_ref(src, idx, fill.clone())
+    got = scatter_rows_launch(src.to(device), idx.to(device), fill.to(device)).cpu()
+    assert torch.equal(got, want)
+    assert torch.equal(want[perm[1]], src[1].expand(j, d))  # a row with all its destinations valid
+
+
+@needs_triton
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gather_sum_kernel_matches_reference(weighted, dtype, device):
+    """Rows summed in fp32 with j in order; skipped indices read nothing (a NaN row stays out)."""
+    g = torch.Generator().manual_seed(1)
+    r, n, j, h = 12, 7, 4, 300
+    src = torch.randn(r, h, generator=g).to(dtype)
+    src[11] = float("nan")  # only ever named by a skipped index
+    idx = torch.randint(0, 11, (n, j), generator=g, dtype=torch.int32)
+    idx[0] = -1  # a row with nothing: zeros
+    idx[1, 2], idx[3, 0] = 11 + 1, -1
+    wts = torch.rand(n, 2 * j, generator=g)[:, ::2] if weighted else None  # strided weights
+    want = gather_sum_ref(src, idx, torch.empty(n, h, dtype=dtype), wts)
+    out = torch.full((n, h), float("nan"), dtype=dtype, device=device)
+    dev_w = None if wts is None else torch.rand(n, 2 * j, device=device)[:, ::2].copy_(wts)  # strided there too
+    got = gather_sum_launch(src.to(device), idx.to(device), out, dev_w).cpu()
+    assert torch.isfinite(got).all() and torch.equal(got[0], torch.zeros(h, dtype=dtype))
+    # both add in fp32 and round once: equal up to the order of fp32 additions
+    tol = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 8e-3, "atol": 8e-3}
+    torch.testing.assert_close(got, want, **tol)
+    exact = src.double()[idx[2].long()] * (wts[2].double().unsqueeze(1) if weighted else 1.0)
+    torch.testing.assert_close(got[2].double(), exact.sum(0), **tol)
+
+
+@needs_triton
+@pytest.mark.parametrize("wire", [False, True])
+@pytest.mark.parametrize("rows", [None, 150])
+@pytest.mark.parametrize("t", [0, 1, 7, 150])
+def test_route_kernel_matches_reference(t, rows, wire, device):
+    """Tokens to ranks: 3 ranks (not a power of 2), 11 experts, K 3; 150 tokens span several
+    blocks of the kernel's scan; wire ids mark some pairs as not sent."""
+    g = torch.Generator().manual_seed(t)
+    e, k, w = 11, 3, 3
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]) if t else torch.empty(0, k)
+    ids = ids.to(torch.int32)
+    if wire:
+        ids = torch.where(torch.rand(t, k, generator=g) < 0.3, 0, ids + 1).to(torch.int32)
+    owner = torch.tensor([i % w for i in range(e)], dtype=torch.int32)
+    want = route_ref(ids, owner, w, rows, wire=wire)
+    got = route_launch(ids.to(device), owner.to(device), w, rows, wire=wire)
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+    if t:  # each rank's rows are 0.. (or r * rows ..) in token order, one per token that goes there
+        d = want[0]
+        for r in range(w):
+            mine = d[:, r][d[:, r] >= 0]
+            start = r * rows if rows is not None else int(want[1][:r].sum())
+            assert torch.equal(mine, torch.arange(start, start + mine.numel()))
+
+
+def test_as_words_views_rows_without_copies():
+    lay = RowLayout([("x", torch.bfloat16, (12,)), ("s", torch.float32, (1,)), ("ids", torch.int32, (3,))])
+    buf = lay.empty(5, "cpu")
+    assert as_words(buf).dtype == torch.int64 and as_words(buf).data_ptr() == buf.data_ptr()
+    assert as_words(lay.raw(buf, "x")).dtype == torch.int64  # 24 bytes at offset 0, stride 64
+    assert as_words(lay.raw(buf, "s")).dtype == torch.int32  # 4 bytes
+    assert as_words(lay.raw(buf, "ids")).dtype == torch.int32  # 12 bytes
+    x = torch.randn(5, 12).to(torch.bfloat16)
+    lay.view(buf, "x").copy_(x)
+    assert torch.equal(as_words(lay.raw(buf, "x")).view(torch.uint8).view(torch.bfloat16), x)
 
 
 def test_row_layout_round_trips_fp8_and_ints():

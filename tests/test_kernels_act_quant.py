@@ -170,6 +170,81 @@ def test_act_and_quantize_few_rows(m):
     _run_act(Activation.SILU, False, "nvfp4", m=m, i=64)
 
 
+# ---- NaN policy (fusedmoe.quant): a NaN makes the fp8/int8 scale it shares NaN, never 1 ------
+# (and the nvfp4 block scale NaN; an mxfp8 NaN stays a NaN element under scale code 127)
+
+NAN_QUANTS = [
+    "fp8_token",
+    "fp8_group32",
+    "fp8_tensor",
+    "fp8_tensor_static",
+    "int8_token",
+    "int8_group64",
+    "int8_tensor",
+    "mxfp8",
+    "nvfp4",
+]
+# the interpreter's hand e4m3 encoding casts its unused subnormal branch of a NaN to int32
+nan_cast_warning = pytest.mark.filterwarnings("ignore:invalid value encountered in cast:RuntimeWarning")
+
+
+def _nan_out(r: QTensor) -> QTensor:
+    """Poisoned buffers whose fp32 scales are finite (-1: no quantizer's), so an unwritten NaN shows."""
+    p = _poisoned_like(r)
+    if r.scale.dtype != torch.float32:
+        return p
+    return QTensor(p.data, p.shape, scale=torch.full_like(r.scale, -1.0))
+
+
+def _assert_same_with_nan(q: QTensor, r: QTensor, tq: TensorQuant) -> None:
+    """Same data bytes (fp8 NaN is 0x7F, int8 NaN is 0, as torch casts) and the same scales, NaN included."""
+    assert torch.isnan(dequantize(r, tq)).any(), "the reference lost the NaN: the case tests nothing"
+    assert torch.equal(_bytes(q.data), _bytes(r.data)), "data bytes differ"
+    if r.scale.dtype == torch.float32:
+        torch.testing.assert_close(q.scale.reshape(r.scale.shape), r.scale, rtol=0, atol=0, equal_nan=True)
+    else:
+        assert torch.equal(_bytes(q.scale), _bytes(r.scale)), "scales differ"
+
+
+def _run_nan(name: str, m: int, k: int, row: int, col: int, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(m, k, generator=g) * 3).to(torch.bfloat16)
+    x[row, col] = float("nan")
+    x = x.to(DEVICE)
+    tq, static = QUANTS[name], _static(name, x)
+    r = quantize_activations_ref(x, tq, **static)
+    if tq.dtype in (QDtype.FP8, QDtype.INT8) and tq.dynamic:
+        assert torch.isnan(r.scale).any(), "the reference has no NaN scale"
+    _assert_same_with_nan(quantize_activations(x, tq, out=_nan_out(r), **static), r, tq)
+
+
+# row 3 is in the first program of rows, 35 in the last: a per-tensor amax must keep the NaN
+# whichever program folds it in, before or after the finite ones; col 70 is in the 2nd/3rd group
+@nan_cast_warning
+@needs_triton
+@pytest.mark.parametrize("row", [3, 35])
+@pytest.mark.parametrize("name", NAN_QUANTS)
+def test_quantize_nan_as_the_reference(name, row):
+    _run_nan(name, 37, 128 if name in ("mxfp8", "nvfp4") else 96, row, 70)
+
+
+@nan_cast_warning
+@needs_triton
+@pytest.mark.parametrize("a2", ["fp8_token", "fp8_group128", "fp8_tensor", "int8_token", "int8_group64"])
+def test_act_and_quantize_nan_gives_nan_scale(a2):
+    """The fused activation too: the NaN reaches exactly the outputs it reaches in the reference."""
+    cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=64, intermediate_size=128)
+    h = (torch.randn(19, cfg.w13_rows, generator=torch.Generator().manual_seed(1)) * 3).to(torch.bfloat16)
+    h[7, 5] = float("nan")  # a gate value of token 7
+    h = h.to(DEVICE)
+    tq = QUANTS[a2]
+    r = act_and_quantize_ref(h, cfg, tq)
+    q = act_and_quantize(h, cfg, tq, out=_nan_out(r))
+    assert torch.isnan(r.scale).any()
+    assert torch.equal(torch.isnan(q.scale.reshape(r.scale.shape)), torch.isnan(r.scale))
+    assert torch.equal(torch.isnan(dequantize(q, tq)), torch.isnan(dequantize(r, tq)))
+
+
 def test_cpu_path_is_ref(monkeypatch):
     if DEVICE != "cpu":
         pytest.skip("tests the CPU path")
@@ -208,6 +283,14 @@ def test_moe_sum(t, k, h, with_map):
 @pytest.mark.parametrize("name", QUANTS)
 def test_quantize_exact_real_shapes(name, m, k):
     _run_quant(name, m, k, seed=m)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("row", [0, 300, 511])
+@pytest.mark.parametrize("name", NAN_QUANTS)
+def test_quantize_nan_as_the_reference_real_shapes(name, row):
+    _run_nan(name, 512, 4096, row, 3000, seed=row + 1)
 
 
 @pytest.mark.gpu

@@ -16,9 +16,12 @@ import dataclasses
 import pytest
 import torch
 
+from fusedmoe.config import Activation, MoEConfig
 from fusedmoe.kernels._common import interpreting
+from fusedmoe.kernels.act_quant import act_and_quantize
 from fusedmoe.kernels.align import moe_align, moe_align_ref
 from fusedmoe.kernels.grouped_gemm import (
+    ActEpilogue,
     GemmFormat,
     grouped_gemm,
     grouped_gemm_batched,
@@ -31,6 +34,7 @@ from fusedmoe.kernels.launch_config import (
     LaunchConfig,
     default_launch_config,
     fit_launch_config,
+    gated_act_config,
     override_launch_config,
     pick_launch_config,
 )
@@ -350,3 +354,243 @@ def test_batched_real_shapes(scheme):
 
 def _bm(t, k, e):
     return default_launch_config(t * k, e, 1, 1, "bf16").block_m
+
+
+# ---- GEMM1 with the activation in its epilogue ----------------------------------------
+#
+# The fused kernel (act=ActEpilogue) against the float64 reference and against the unfused
+# path (GEMM1 into an fp32 h, then act_and_quantize): under the interpreter both compute the
+# same fp32 values, so they agree to ~1e-7 (quantized outputs: up to a code step where an
+# ulp moves a value across a rounding boundary).
+
+# Weight formats whose a2 the epilogue can produce; "int8_static" (a static per-tensor int8
+# a2) is no named scheme, the epilogue supports it all the same.
+_INT8_STATIC = TensorQuant(QDtype.INT8, Granularity.tensor())
+ACT_SCHEMES = {
+    "bf16": QuantScheme.unquantized(),
+    "int4_gptq": QuantScheme.int4_w4a16(32, act_order=True),
+    "int4_awq": QuantScheme.int4_w4a16(32, zero_points=True),
+    "mxfp4": QuantScheme.mxfp4_w4a16(),
+    "fp8_static": QuantScheme.fp8_per_tensor(static_activations=True),
+    "int8_w8a16": QuantScheme.int8_w8a16(),
+    "int8_static": QuantScheme(
+        name="int8_static",
+        a1=_INT8_STATIC,
+        w1=TensorQuant(QDtype.INT8, Granularity.channel()),
+        a2=_INT8_STATIC,
+        w2=TensorQuant(QDtype.INT8, Granularity.channel()),
+    ),  # fmt: skip
+}
+ACTS = list(Activation)
+_QMAX = {QDtype.FP8: 448.0, QDtype.INT8: 127.0}
+
+
+def _epilogue(act: Activation, scheme: QuantScheme) -> ActEpilogue:
+    # interleaved gate/up for two activations; a swigluoai limit that clamps unit-size values
+    return ActEpilogue(
+        act, gate_up_interleaved=act in (Activation.SWIGLUOAI, Activation.GELU), swiglu_limit=1.0, quant=scheme.a2
+    )
+
+
+def _moe_config(ep: ActEpilogue, e: int, k: int, h: int, i: int, dtype) -> MoEConfig:
+    return MoEConfig(
+        e, k, h, i, activation=ep.activation, gate_up_interleaved=ep.gate_up_interleaved,
+        swiglu_alpha=ep.swiglu_alpha, swiglu_limit=ep.swiglu_limit, dtype=dtype,
+    )  # fmt: skip
+
+
+def _values(out: torch.Tensor, ep: ActEpilogue, scale) -> torch.Tensor:
+    """C as real numbers (codes times the static scale); NaN where C was poisoned and kept."""
+    if ep.quant is None:
+        return out.double()
+    return out.double() * scale.double()
+
+
+def check_act(out, ref, ep, scale, poison, tol) -> None:
+    """``check`` on C's values; int8 codes have no NaN, so unwritten rows must still hold
+    the poison code and written ones are compared."""
+    if ep.quant is None or ep.quant.dtype is QDtype.FP8:
+        check(_values(out, ep, scale), ref, tol)
+        return
+    written = ~ref.isnan().all(dim=-1)
+    assert torch.all(out[~written] == poison), "rows of no local pair were written"
+    assert rel_error(_values(out[written], ep, scale), ref[written]) <= tol
+
+
+def _static_scale(ref_unq: torch.Tensor, ep: ActEpilogue) -> torch.Tensor | None:
+    """A checkpoint-like static scale that saturates the largest ~10% of |C|."""
+    if ep.quant is None:
+        return None
+    amax = ref_unq[~ref_unq.isnan()].abs().max().float()
+    return (0.8 * amax / _QMAX[ep.quant.dtype]).reshape(1, 1).to(DEVICE)
+
+
+def _act_tol(scheme, ep, out_dtype) -> float:
+    if ep.quant is not None:
+        return tolerance(scheme, torch.bfloat16)  # the code steps of a2; flips cost 4e-2 of a value
+    return _tol(scheme, out_dtype)
+
+
+def run_act(scheme, act, *, batched=False, weighted=False, out_dtype=torch.float32, t=9, i=48, h=64, seed=0):
+    """Fused GEMM1 + activation vs the reference (and, unweighted, vs the unfused path).
+
+    Standard: E 8 of which 4 are local (expert map), K 3, T*K not a multiple of the tile.
+    Batched: counts of a partial tile, an empty expert and a full slab of M_max = 20.
+    I = 48: a partial BN tile, and gate/up columns that straddle tiles in the split layout.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    ep = _epilogue(act, scheme)
+    n_w = 2 * i if act.is_gated else i
+    cfg = gated_act_config(TINY) if act.is_gated else TINY
+    if batched:
+        counts = [5, 0, 20]
+        e_l = len(counts)
+        ops = make_operands(scheme, 20, e_l, n_w, h, gen, batch=(e_l,))
+        cnt = torch.tensor(counts, dtype=torch.int32, device=DEVICE)
+        rw = torch.rand(e_l, 20, generator=gen).to(DEVICE) if weighted else None
+        extra = dict(counts=cnt, row_weights=rw)
+        gemm, gemm_ref, rows = grouped_gemm_batched, grouped_gemm_batched_ref, (e_l, 20)
+    else:
+        k, e, e_l = 3, 8, 4
+        emap = torch.tensor([-1, 0, -1, 1, 2, -1, -1, 3], dtype=torch.int32, device=DEVICE)
+        ids, tw = random_topk(t, e, k, gen)
+        r = moe_align_ref(ids.to(DEVICE), e_l, 16, expert_map=emap)
+        ops = make_operands(scheme, t, e_l, n_w, h, gen)
+        extra = dict(routing=r, a_div=k, topk_weights=tw.to(DEVICE) if weighted else None)
+        gemm, gemm_ref, rows = grouped_gemm, grouped_gemm_ref, (t * k,)
+    bias = (torch.randn(e_l, n_w, generator=gen) * 0.1).to(torch.bfloat16).to(DEVICE)
+    plain = dataclasses.replace(ep, quant=None)
+    scale = _static_scale(gemm_ref(ops.a, ops.w, bias=bias, act=plain, **ops.kw, **extra), ep)
+    ref = gemm_ref(ops.a, ops.w, bias=bias, act=ep, act_scale=scale, **ops.kw, **extra)
+
+    c_dtype = ep.out_dtype(out_dtype)
+    out = poison_(torch.empty(*rows, i, dtype=c_dtype, device=DEVICE))
+    poison = out.reshape(-1)[0].clone()
+    gemm(ops.a, ops.w, bias=bias, act=ep, act_scale=scale, out=out, config=cfg, **ops.kw, **extra)
+    check_act(out, ref, ep, scale, poison, _act_tol(scheme, ep, out_dtype))
+    if weighted:
+        return
+    # the unfused path: GEMM1 into h (fp32), then the activation kernel
+    h_out = poison_(torch.empty(*rows, n_w, device=DEVICE))
+    gemm(ops.a, ops.w, bias=bias, out=h_out, config=TINY, **ops.kw, **extra)
+    written = ~h_out.isnan().all(dim=-1)
+    moe = _moe_config(ep, 8, 3, h, i, out_dtype)
+    a2 = act_and_quantize(h_out.nan_to_num(0.0).reshape(-1, n_w), moe, ep.quant, scale=scale)
+    a2 = (a2.data if ep.quant is not None else a2).reshape(*rows, i)
+    got, want = _values(out[written], ep, scale), _values(a2[written], ep, scale)
+    same = 1e-5 if interpreting() and ep.quant is None else _act_tol(scheme, ep, out_dtype)
+    if ep.quant is not None:
+        # codes: identical but where an ulp of fp32 moves a value across a rounding boundary
+        assert (got != want).float().mean() <= 0.02, "fused and unfused codes differ too often"
+    assert rel_error(got, want) <= same
+
+
+@needs_triton
+@pytest.mark.parametrize("batched", [False, True], ids=["standard", "batched"])
+@pytest.mark.parametrize("act", ACTS, ids=[a.value for a in ACTS])
+@pytest.mark.parametrize("scheme", list(ACT_SCHEMES), ids=list(ACT_SCHEMES))
+def test_gemm1_act_epilogue(scheme, act, batched):
+    run_act(ACT_SCHEMES[scheme], act, batched=batched)
+
+
+@needs_triton
+@pytest.mark.parametrize("batched", [False, True], ids=["standard", "batched"])
+@pytest.mark.parametrize("scheme", ["bf16", "fp8_static", "int8_static"])
+def test_gemm1_act_epilogue_router_weight(scheme, batched):
+    """The router weight multiplies the activation's output (before a static quantization)."""
+    run_act(ACT_SCHEMES[scheme], Activation.SWIGLUOAI, batched=batched, weighted=True)
+
+
+@needs_triton
+@pytest.mark.parametrize("act", [Activation.SILU, Activation.RELU2_NO_MUL], ids=lambda a: a.value)
+def test_gemm1_act_epilogue_bf16_output(act):
+    """C in the model dtype: one rounding, after the activation."""
+    run_act(ACT_SCHEMES["bf16"], act, out_dtype=torch.bfloat16)
+
+
+@needs_triton
+def test_gemm1_act_epilogue_default_config():
+    """config=None: GEMM1's picked config with BN halved; T=1 and T=0."""
+    scheme = ACT_SCHEMES["mxfp4"]
+    gen = torch.Generator().manual_seed(3)
+    ep = _epilogue(Activation.SILU, scheme)
+    for t in (1, 0):
+        ids, _ = random_topk(t, 4, 2, gen)
+        r = moe_align_ref(ids.to(DEVICE), 4, 16)
+        ops = make_operands(scheme, t, 4, 64, 64, gen)
+        out = poison_(torch.empty(t * 2, 32, device=DEVICE))
+        grouped_gemm(ops.a, ops.w, r, a_div=2, act=ep, out=out, **ops.kw)
+        check(out, grouped_gemm_ref(ops.a, ops.w, r, a_div=2, act=ep, **ops.kw), _tol(scheme, torch.float32))
+
+
+def test_act_epilogue_contract():
+    """What the epilogue accepts: a2 unquantized or static per-tensor fp8/int8."""
+    assert ActEpilogue.supports(None)
+    assert ActEpilogue.supports(QuantScheme.fp8_per_tensor(static_activations=True).a2)
+    assert ActEpilogue.supports(_INT8_STATIC)
+    for name in ("fp8_tensor", "fp8_token", "fp8_block", "int8_w8a8_channel", "mxfp4_mxfp8", "nvfp4"):
+        assert not ActEpilogue.supports(QuantScheme.by_name(name).a2), name
+    with pytest.raises(ValueError):
+        ActEpilogue(Activation.SILU, quant=QuantScheme.fp8_per_token().a2)
+    ep = ActEpilogue("swigluoai", gate_up_interleaved=True)
+    assert ep.activation is Activation.SWIGLUOAI and ep.out_cols(96) == 48
+    assert ActEpilogue(Activation.GELU_NO_MUL).out_cols(48) == 48
+    assert eval(repr(ep)) == ep
+    assert gated_act_config(LaunchConfig(16, 64, 64)).block_n == 32
+    assert gated_act_config(LaunchConfig(16, 16, 64)).block_n == 16
+
+
+def test_act_epilogue_cpu_path(monkeypatch):
+    """Without a GPU or the interpreter the fused op is the reference (codes quantized)."""
+    if DEVICE != "cpu":
+        pytest.skip("tests the CPU path")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    gen = torch.Generator().manual_seed(8)
+    scheme = ACT_SCHEMES["fp8_static"]
+    ep = _epilogue(Activation.SILU, scheme)
+    ids, _ = random_topk(5, 4, 2, gen)
+    r = moe_align_ref(ids, 4, 16)
+    ops = make_operands(scheme, 5, 4, 64, 64, gen)
+    scale = torch.full((1, 1), 0.01)
+    out = poison_(torch.empty(10, 32, dtype=torch.float8_e4m3fn))
+    grouped_gemm(ops.a, ops.w, r, a_div=2, act=ep, act_scale=scale, out=out, **ops.kw)
+    ref = grouped_gemm_ref(ops.a, ops.w, r, a_div=2, act=ep, act_scale=scale, **ops.kw)
+    check(_values(out, ep, scale), ref, 1e-6)
+
+
+REAL_ACT = [  # (E, H, I, T, K): DeepSeek-V3 and Qwen3-30B-A3B decode, a prefill-sized batch
+    (256, 7168, 2048, 1, 8),
+    (128, 2048, 768, 1, 8),
+    (128, 2048, 768, 256, 8),
+]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("act", [Activation.SILU, Activation.SWIGLUOAI], ids=lambda a: a.value)
+@pytest.mark.parametrize("shape", REAL_ACT, ids=[f"E{s[0]}_H{s[1]}_I{s[2]}_T{s[3]}" for s in REAL_ACT])
+@pytest.mark.parametrize("scheme", ["bf16", "int4_gptq", "mxfp4", "fp8_static"])
+def test_gemm1_act_epilogue_real_shapes(scheme, shape, act):
+    """Fused vs unfused GEMM1 + activation at real shapes, bf16 output (the unfused path
+    rounds h to bf16 first), both against the float64 reference."""
+    e, h, i, t, k = shape
+    scheme = ACT_SCHEMES[scheme]
+    gen = torch.Generator().manual_seed(1)
+    ep = _epilogue(act, scheme)
+    ids, _ = random_topk(t, e, k, gen)
+    r = moe_align(ids.to(DEVICE), e, _bm(t, k, e))
+    ops = make_operands(scheme, t, e, 2 * i, h, gen)
+    bias = (torch.randn(e, 2 * i, generator=gen) * 0.1).to(torch.bfloat16).to(DEVICE)
+    kw = dict(bias=bias, a_div=k, **ops.kw)
+    plain = dataclasses.replace(ep, quant=None)
+    scale = _static_scale(grouped_gemm_ref(ops.a, ops.w, r, act=plain, **kw), ep)
+    ref = grouped_gemm_ref(ops.a, ops.w, r, act=ep, act_scale=scale, **kw)
+    out = poison_(torch.empty(t * k, i, dtype=ep.out_dtype(torch.bfloat16), device=DEVICE))
+    grouped_gemm(ops.a, ops.w, r, act=ep, act_scale=scale, out=out, out_dtype=out.dtype, **kw)
+    tol = _act_tol(scheme, ep, torch.bfloat16)
+    check(_values(out, ep, scale), ref, tol)
+    hb = grouped_gemm(ops.a, ops.w, r, out_dtype=torch.bfloat16, **kw)
+    a2 = act_and_quantize(hb, _moe_config(ep, e, k, h, i, torch.bfloat16), ep.quant, scale=scale)
+    unfused = _values(a2.data if ep.quant is not None else a2, ep, scale)
+    check(unfused, ref, tol)
+    assert rel_error(_values(out, ep, scale), unfused) <= tol

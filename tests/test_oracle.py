@@ -266,19 +266,42 @@ def test_skip_list_and_the_next_candidate(monkeypatch):
 # ---- the shape rule between triton and grouped_mm -----------------------------------------------
 
 
-def test_shape_rule_defaults_to_triton():
+def test_shape_rule_defaults_to_triton(monkeypatch):
+    monkeypatch.setitem(thresholds.GROUPED_MM_CROSSOVER, ("sm90", "unquantized"), None)
     c = _select("unquantized", "sm90", num_tokens=100_000)
     assert c.backend == "triton" and "no measured crossover for sm90 unquantized" in c.explain()
+    assert dict(c.verdicts)["triton_or_grouped_mm"].startswith("no measured triton/grouped_mm crossover")
+
+
+def test_measured_crossover_picks_the_per_call_backend():
+    wide = MoEConfig(8, 2, 4096, 14336)
+    plat = Platform.simulated("sm90")
+    for scheme in (QuantScheme.unquantized(), QuantScheme.by_name("fp8_tensor")):
+        assert select_experts(wide, scheme, platform=plat).backend == "triton_or_grouped_mm"
+    block = select_experts(wide, QuantScheme.by_name("fp8_block"), platform=plat)
+    assert block.backend != "triton_or_grouped_mm"
+    assert "scheme fp8_block not supported" in dict(block.verdicts)["triton_or_grouped_mm"]
+    narrow = select_experts(MoEConfig(128, 8, 2048, 768), QuantScheme.unquantized(), platform=plat)
+    assert narrow.backend == "triton"
+    assert "at I=768" in dict(narrow.verdicts)["triton_or_grouped_mm"]
+    sm80 = select_experts(wide, QuantScheme.unquantized(), platform=Platform.simulated("sm80"))
+    assert sm80.backend == "triton"
 
 
 def test_shape_rule_uses_the_table(monkeypatch):
     rule = thresholds.Crossover(tokens_per_expert=64, min_intermediate_size=512)
     monkeypatch.setitem(thresholds.GROUPED_MM_CROSSOVER, ("sm90", "unquantized"), rule)
     # E=8, K=2: 256 tokens = 64 per expert
-    assert _select("unquantized", "sm90", num_tokens=255).backend == "triton"
+    below = _select("unquantized", "sm90", num_tokens=255)
+    assert below.backend == "triton_or_grouped_mm" and "triton before grouped_mm (63.75 tokens" in below.explain()
     c = _select("unquantized", "sm90", num_tokens=256)
-    assert c.backend == "grouped_mm" and "grouped_mm before triton (64 tokens per expert" in c.explain()
-    assert _select("unquantized", "sm90").backend == "triton"  # no token count: the default order
+    assert c.backend == "triton_or_grouped_mm" and "grouped_mm before triton (64 tokens per expert" in c.explain()
+    monkeypatch.setenv(ENV_SKIP, "triton_or_grouped_mm")  # without it, the static order follows the rule
+    assert _select("unquantized", "sm90", num_tokens=255).backend == "triton"
+    assert _select("unquantized", "sm90", num_tokens=256).backend == "grouped_mm"
+    monkeypatch.delenv(ENV_SKIP)
+    # no token count: the per-call backend applies the same rule at run time
+    assert _select("unquantized", "sm90").backend == "triton_or_grouped_mm"
     assert _select("unquantized", "sm80", num_tokens=4096).backend == "triton"  # grouped_mm refuses sm80
     narrow = select_experts(
         MoEConfig(8, 2, 1024, 256), QuantScheme.unquantized(), platform=Platform.simulated("sm90"), num_tokens=4096

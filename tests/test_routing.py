@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from fusedmoe.errors import FusedMoEError
 from fusedmoe.routing import RouterConfig, route
 from fusedmoe.testing import EDGE_CASES, Case
+from fusedmoe.validation import ENV_CHECK_VALUES
 
 
 def _logit(p: float) -> float:
@@ -387,11 +388,21 @@ _BAD_CUSTOM = {
 }
 
 
+# What only value checks see (they read the data: a host sync, so off by default).
+_BAD_VALUES = ("ids_out_of_range", "ids_negative", "ids_repeat", "weights_nan")
+
+
 @pytest.mark.parametrize("label", _BAD_CUSTOM)
-def test_custom_fn_result_is_checked(label):
+def test_custom_fn_result_is_checked(label, monkeypatch):
     fn, field = _BAD_CUSTOM[label]
-    with pytest.raises(FusedMoEError, match=re.escape(field) + ": expected"):
-        route(torch.randn(4, 8), 2, custom_fn=fn)
+    raises = pytest.raises(FusedMoEError, match=re.escape(field) + ": expected")
+    if label in _BAD_VALUES:
+        route(torch.randn(4, 8), 2, custom_fn=fn)  # shape and dtype are fine: not checked by default
+        with raises:
+            route(torch.randn(4, 8), 2, custom_fn=fn, check_values=True)
+        monkeypatch.setenv(ENV_CHECK_VALUES, "1")
+    with raises:
+        RouterConfig(num_experts=8, top_k=2, custom_fn=fn).route(torch.randn(4, 8))
 
 
 # ------------------------------------------------------------------- validation

@@ -1,56 +1,264 @@
-"""The tuner writes files the runtime reads back (interpreter: two candidates, tiny layer)."""
+"""The tuner under the interpreter (tiny space, tiny layers): several presets and schemes in one
+CLI call, files the runtime reads back, GEMM2 under GEMM1's BM, the budget, atomic writes,
+rejected outputs, two-stage timing, and the compile workers' specialisation matching the main
+process's (in-process and in a spawned worker)."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
+import torch
 
+from fusedmoe import cli, tune
 from fusedmoe.kernels import tuned_configs
 from fusedmoe.kernels.launch_config import LaunchConfig, pick_launch_config
-from fusedmoe.tune import candidates, tune
+from fusedmoe.presets import PRESETS, preset_config
+from fusedmoe.quant import QuantScheme
+from fusedmoe.testing import random_topk
+from fusedmoe.tune import Combo, candidates, tune_many
+
+TINY = {
+    "tiny-a": dict(num_experts=4, top_k=2, hidden_size=64, intermediate_size=32),
+    # prime E, K = 1 (GEMM1's a_div is the constant 1), H and I not powers of 2
+    "tiny-b": dict(num_experts=3, top_k=1, hidden_size=48, intermediate_size=24),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def tiny_presets():
+    with pytest.MonkeyPatch.context() as mp:
+        for name, shape in TINY.items():
+            mp.setitem(PRESETS, name, shape)
+        yield
+
+
+def _json(path):
+    return json.loads(path.read_text())
 
 
 def test_candidates_keep_small_tiles_for_decode():
     dec = candidates("quick", 8, 64)  # 8 pairs over 64 experts
     assert dec and all(c.block_m == 16 for c in dec)
     assert any(c.block_m == 128 for c in candidates("quick", 64 * 512, 64))
+    assert candidates("quick", 4096, 8, block_m=32) and all(c.block_m == 32 for c in candidates("quick", 4096, 8, 32))
+
+
+def test_group_m_only_where_an_expert_has_several_tiles():
+    assert {c.group_m for c in candidates("quick", 8, 64)} == {1}  # 0.125 rows per expert
+    many = candidates("quick", 64 * 512, 64)  # 512 rows per expert: several tiles at every BM
+    assert {c.group_m for c in many} == {1, 8} and len(many) == 96
+
+
+def test_steps_interleave_so_gemm2_compiles_during_the_next_gemm1():
+    assert tune._steps([1, 8, 16]) == [("w13", 1), ("w13", 8), ("w2", 1), ("w13", 16), ("w2", 8), ("w2", 16)]
+    assert tune.parse_presets("all") == list(tune.ALL_PRESETS)
+
+
+# ---- one CLI call: two presets x two schemes ------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def tuned(tmp_path_factory):
-    """Both GEMMs of a tiny layer, tuned once (two candidates each, under the interpreter)."""
+def cli_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("tuned")
-    paths = tune(
-        "small",
-        "bf16",
-        [1, 8],
-        out_dir=out,
-        space="tiny",
-        device="cpu",
-        num_experts=4,
-        hidden_size=64,
-        intermediate_size=32,
-    )
-    return out, paths
+    argv = ["tune", "--preset", "tiny-a,tiny-b", "--scheme", "bf16,fp8_block", "--tokens", "1"]
+    rc = cli.main([*argv, "--space", "tiny", "--out", str(out), "--summary", str(out / "summary.md")])
+    return rc, out
 
 
-def test_tuned_files_round_trip_into_pick_launch_config(tuned, monkeypatch):
-    tmp_path, paths = tuned
-    assert len(paths) == 2
-    data = json.loads(paths[0].read_text())
-    assert set(data["configs"]) == {"2", "16"}  # pairs = T * K with K = 2
-    monkeypatch.setenv(tuned_configs.ENV_DIR, str(tmp_path))
+def test_cli_tunes_every_preset_and_scheme(cli_run):
+    rc, out = cli_run
+    assert rc == 0
+    files = sorted(out.rglob("*.json"))
+    assert len(files) == 8  # 2 presets x 2 schemes x 2 GEMMs
+    for f in files:
+        data = _json(f)
+        k = 1 if data["E"] == 3 else 2
+        assert set(data["configs"]) == {str(k)}  # pairs = T * K
+        assert set(data["ms"]) == set(data["heuristic_ms"]) == set(data["configs"])
+    summary = (out / "summary.md").read_text()
+    for name in ("tiny-a bf16", "tiny-a fp8_block", "tiny-b bf16", "tiny-b fp8_block"):
+        assert f"## {name}" in summary
+    checked, mismatched = map(int, re.search(r"warm keys checked (\d+), mismatched (\d+)", summary).groups())
+    assert checked > 0 and mismatched == 0
+    assert not list(out.rglob("*.tmp"))
+
+
+def test_tuned_files_round_trip_into_pick_launch_config(cli_run, monkeypatch):
+    _, out = cli_run
+    monkeypatch.setenv(tuned_configs.ENV_DIR, str(out))
     monkeypatch.setattr(tuned_configs, "current_gpu", lambda: "cpu-interpreter")
     tuned_configs.clear_cache()
-    got = pick_launch_config(2, data["E"], data["N"], data["K"], data["scheme"])
-    assert got == LaunchConfig(**data["configs"]["2"])
+    for f in out.rglob("*.json"):
+        data = _json(f)
+        for pairs, cfg in data["configs"].items():
+            assert pick_launch_config(int(pairs), data["E"], data["N"], data["K"], data["scheme"]) == LaunchConfig(
+                **cfg
+            )
     tuned_configs.clear_cache()
 
 
-def test_second_gemm_is_tuned_under_the_first_gemms_block_m(tuned):
-    _, paths = tuned
-    first, second = (json.loads(p.read_text()) for p in paths)
-    for pairs, cfg in first["configs"].items():
-        assert second["configs"][pairs]["block_m"] == cfg["block_m"]
-    assert candidates("quick", 4096, 8, block_m=32) and all(c.block_m == 32 for c in candidates("quick", 4096, 8, 32))
+def test_second_gemm_is_tuned_under_the_first_gemms_block_m(cli_run):
+    _, out = cli_run
+    for shape in TINY.values():
+        e, h, i = shape["num_experts"], shape["hidden_size"], shape["intermediate_size"]
+        for scheme in ("bf16", "fp8_block"):
+            first, second = (
+                _json(out / "cpu_interpreter" / scheme / f"E={e},N={n},K={k}.json") for n, k in ((2 * i, h), (h, i))
+            )
+            assert {p: c["block_m"] for p, c in first["configs"].items()} == {
+                p: c["block_m"] for p, c in second["configs"].items()
+            }
+
+
+def test_dry_run_counts_candidates_and_compiles(capsys):
+    assert cli.main(["tune", "--preset", "tiny-a", "--scheme", "bf16", "--space", "tiny", "--dry-run"]) == 0
+    assert "distinct compiles" in capsys.readouterr().out
+
+
+# ---- timing, rejection, budget, writes ---------------------------------------------------
+
+
+class FakeTime:
+    """A clock that only the timer moves (1 s per timing), and a timer with a table of ms."""
+
+    def __init__(self, ms=lambda cfg: 1.0):
+        self.now, self.ms, self.calls = 0.0, ms, []
+
+    def clock(self):
+        return self.now
+
+    def timer(self, cfg, fn, target_ms):
+        self.now += 1.0
+        self.calls.append((cfg, target_ms))
+        return self.ms(cfg)
+
+
+def test_two_stage_timing_picks_the_fastest_and_reports_the_speedup(tmp_path):
+    ft = FakeTime(lambda cfg: 0.5 if cfg.block_n == 32 else 1.0)
+    rep = tune_many(["tiny-a"], ["bf16"], [1], extra_tokens=[8], out_dir=tmp_path, space="tiny", device="cpu",
+                    timer=ft.timer, clock=ft.clock, screen_ms=2.0, retime_ms=20.0, top=1)  # fmt: skip
+    steps = rep.combos[0].steps.values()
+    assert len(steps) == 4
+    assert all(set(_json(f)["configs"]) == {"2", "16"} for f in rep.files)  # both phases, one file per GEMM
+    for r in steps:
+        assert r.cfg.block_n == 32 and r.speedup == pytest.approx(2.0) and r.screened == 2
+    assert {t for _, t in ft.calls} == {2.0, 20.0}
+    assert sum(t == 20.0 for _, t in ft.calls) == 4 * 2  # per step: the heuristic and top=1 finalist
+
+
+def test_a_candidate_with_a_wrong_output_is_rejected(tmp_path, monkeypatch):
+    launch = tune._launch
+
+    def corrupt(op, cfg, routing):  # a config that computes something else (and would be fastest)
+        out = launch(op, cfg, routing)
+        return out.mul_(1.5) if cfg.block_n == 32 else out
+
+    monkeypatch.setattr(tune, "_launch", corrupt)
+    ft = FakeTime(lambda cfg: 0.5 if cfg.block_n == 32 else 1.0)
+    rep = tune_many(["tiny-a"], ["bf16"], [1], out_dir=tmp_path, space="tiny", device="cpu", timer=ft.timer,
+                    clock=ft.clock)  # fmt: skip
+    for r in rep.combos[0].steps.values():
+        assert [c.block_n for c, _ in r.rejected] == [32] and r.rejected[0][1] > tune.TOLERANCE
+        assert r.cfg.block_n == 64
+    assert all(c["block_n"] == 64 for f in rep.files for c in _json(f)["configs"].values())
+
+
+def test_budget_stops_between_steps_and_writes_only_finished_token_counts(tmp_path):
+    ft = FakeTime()  # every step costs ~5 fake seconds; 12 s left after the write reserve
+    rep = tune_many(["tiny-a"], ["bf16"], [1, 8], extra_tokens=[16], out_dir=tmp_path, space="tiny", device="cpu",
+                    timer=ft.timer, clock=ft.clock, budget_s=tune.WRITE_RESERVE_S + 12)  # fmt: skip
+    assert rep.stopped == "budget"
+    assert "tiny-a bf16 w2 T=16" in rep.skipped
+    first, second = (_json(f) for f in rep.files)
+    assert set(first["configs"]) == set(second["configs"]) and "2" in first["configs"]
+    assert "32" not in first["configs"]  # T=16 never finished both GEMMs
+    assert not list(tmp_path.rglob("*.tmp"))
+    assert "Not tuned (budget)" in rep.markdown()
+
+
+def test_budget_keeps_the_heuristics_neighbourhood_and_puts_extra_token_counts_last():
+    t = {"now": 0.0}
+
+    def plan(budget_s):
+        r = tune._Run([Combo("tiny-a", "bf16")], [1, 64, 256], [512], space="quick", device="cpu", out_dir=None,
+                      gpu="", budget_s=budget_s, pool=tune._WarmPool(0), timer=tune._no_timer, clock=lambda: t["now"],
+                      knobs=(8.0, 60.0, 3))  # fmt: skip
+        r.plan_all()
+        ranked = {step: v for step, v in r.plan.items() if isinstance(v, list)}  # GEMM1 steps, GEMM2 not planned
+        return r, ranked, set(r.pool._queued)
+
+    def heads(ranked, n):
+        return {k for v in ranked.values() for _, k in v[:n]}
+
+    keep = tune.MIN_CANDIDATES + 1
+    run, ranked, queued = plan(None)  # no budget: everything
+    assert run.fraction(0) == 1.0 and queued == heads(ranked, 10**6)
+    run, ranked, queued = plan(tune.WRITE_RESERVE_S + 3.0)  # no time: the heuristic's neighbourhood
+    assert run.fraction(0) == 0.0 and queued == heads(ranked, keep)
+    assert max(len(v) for v in ranked.values()) > keep
+    run, ranked, queued = plan(200.0)  # (cost-model priors, no workers) time for the first phase, not the extra
+    assert run.fraction(0) == 1.0 and run.fraction(len(run.passes) - 1) < 1.0
+
+
+def test_files_are_written_by_rename(tmp_path, monkeypatch):
+    cfg = LaunchConfig(16, 64, 32, 1, 4, 2)
+    cr = tune.ComboResult(Combo("tiny-a", "bf16"), e=4, shapes={"w13": (64, 64, "bf16"), "w2": (64, 32, "bf16")})
+    for g in ("w13", "w2"):
+        cr.steps[(g, 1)] = tune.StepResult(g, 1, 2, cfg, 0.1, cfg, 0.2, planned=2, kept=2)
+    paths = tune.write_combo(cr, tmp_path, "cpu-interpreter")
+    before = [p.read_text() for p in paths]
+
+    def fail(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(tune.os, "replace", fail)
+    cr.steps[("w13", 1)].cfg = LaunchConfig(16, 32, 32, 1, 4, 2)
+    with pytest.raises(OSError):
+        tune.write_combo(cr, tmp_path, "cpu-interpreter")
+    assert [p.read_text() for p in paths] == before  # the old file, whole
+    assert sorted(tmp_path.rglob("*")) == sorted({*paths, *(p.parent for p in paths), *(p.parents[1] for p in paths)})
+
+
+# ---- the workers compile what the main process runs ---------------------------------------
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "fp8_tensor", "fp8_block"])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(num_experts=256, top_k=8, hidden_size=128, intermediate_size=64),  # DeepSeek-like E and K
+        dict(num_experts=5, top_k=1, hidden_size=48, intermediate_size=24),
+        dict(num_experts=8, top_k=2, hidden_size=64, intermediate_size=32, has_bias=True),
+    ],
+    ids=["E256K8", "E5K1", "E8K2bias"],
+)
+def test_worker_operands_give_the_main_process_specialisation(shape, scheme):
+    combo = Combo("small", scheme, tuple(sorted(shape.items())))
+    config, sch = preset_config("small", **shape), QuantScheme.by_name(scheme)
+    weights = tune._weights(config, sch, "cpu")
+    specs = {}
+    for t in (1, 2, 16, 64):
+        ids, rw = random_topk(t, config.num_experts, config.top_k, torch.Generator().manual_seed(t))
+        for gemm in ("w13", "w2"):
+            main = tune._operands(config, sch, weights, gemm, t, "cpu", ids, rw)
+            for cfg in (main.heuristic(), main.fit(LaunchConfig(64, 128, 64, 8, 8, 3))):
+                with tune._probing("record") as got:
+                    tune._launch(main, cfg, main.routing(cfg.block_m))
+                worker = tune._job_spec(tune._Job(combo, gemm, t, cfg, "cpu"))
+                assert worker == tuple(got), (gemm, t, cfg)
+                specs[(gemm, t, cfg)] = worker
+    # the check can fail: the pair count's divisibility by 16 is part of the key
+    if config.top_k == 8:
+        heur = {t: c for (g, t, c) in specs if g == "w13"}
+        assert specs[("w13", 1, heur[1])][0][0] != specs[("w13", 2, heur[2])][0][0] or heur[1] != heur[2]
+
+
+@pytest.mark.slow
+def test_spawned_workers_warm_what_the_main_process_runs(tmp_path):
+    # a spawned process sees the package's presets only: a shipped one, overridden (overrides travel)
+    rep = tune_many(["small"], ["bf16"], [1], out_dir=tmp_path, space="tiny", device="cpu", workers=1, **TINY["tiny-a"])
+    assert rep.workers == 1 and rep.jobs >= 3
+    assert rep.total("key_checked") >= 3 and rep.total("key_mismatch") == 0
+    assert len(rep.files) == 2

@@ -13,6 +13,7 @@ import torch
 
 from fusedmoe import FusedMoEError, MoEConfig, QuantScheme, UnsupportedError
 from fusedmoe.api import fused_moe
+from fusedmoe.kernels._common import interpreting
 from fusedmoe.layer import FusedMoE
 from fusedmoe.quant import QTensor, all_schemes
 from fusedmoe.testing import make_problem
@@ -216,9 +217,10 @@ NAN_SCHEMES = [
 ]
 
 
-# LinearFormat.scale_for (quant/linear.py) maps a NaN abs-max to scale 1 (``where(amax > 0, s, 1)``),
-# and int8 casts NaN to 0: the NaN token's output comes out finite, and a per-tensor scale of 1
-# changes every other token's quantization too.
+# The bug these guard against: an abs-max taken as ``where(amax > 0, s, 1)`` (or with a float max,
+# which drops NaN on the GPU) quantizes the NaN token with a made-up scale, so its output comes out
+# finite (int8 casts NaN to 0), and a per-tensor scale of 1 changes every other token too. The
+# triton backend runs the activation-quant kernel (under the interpreter on a CPU).
 def _nan_run(scheme, backend="cpu"):
     """(clean output, output with a NaN in token 4) of 9 tokens."""
     p = make_problem(CONFIG, scheme, 9, seed=11)
@@ -230,9 +232,15 @@ def _nan_run(scheme, backend="cpu"):
 
 
 OTHERS = torch.arange(9) != 4
+_ON_CPU = "x is on the CPU: triton runs there under TRITON_INTERPRET=1 (GPU: test_kernels_act_quant)"
+NAN_BACKENDS = [
+    "cpu",
+    "reference",
+    pytest.param("triton", marks=pytest.mark.skipif(not interpreting(), reason=_ON_CPU)),
+]
 
 
-@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("backend", NAN_BACKENDS)
 @pytest.mark.parametrize("scheme", NAN_SCHEMES, ids=lambda s: s.name)
 def test_nan_token_leaves_other_tokens_unchanged(backend, scheme):
     """The documented policy: a NaN in one token's input never reaches another token."""
@@ -241,7 +249,7 @@ def test_nan_token_leaves_other_tokens_unchanged(backend, scheme):
     assert torch.equal(out[OTHERS], clean[OTHERS])
 
 
-@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("backend", NAN_BACKENDS)
 @pytest.mark.parametrize(
     "scheme",
     [s for s in NAN_SCHEMES],
@@ -253,7 +261,7 @@ def test_nan_token_output_is_not_finite(backend, scheme):
     assert not torch.isfinite(out[4]).all()
 
 
-@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("backend", NAN_BACKENDS)
 @pytest.mark.parametrize(
     "scheme", [QuantScheme.fp8_per_tensor(), QuantScheme.int8_w8a8("tensor")], ids=lambda s: s.name
 )

@@ -109,22 +109,59 @@ def _cmd_explain(args) -> int:
 
 
 def _cmd_bench(args) -> int:
+    if args.ep:  # expert parallelism: its own program under torchrun, with its own options
+        from .bench_ep import launch
+
+        return launch(args.out, args.ep_args, args.nproc)
     from .bench import run_bench
 
     tokens = [int(t) for t in args.tokens.split(",")]
-    run_bench(args.preset.split(","), args.scheme.split(","), tokens, out_dir=args.out)
+    run_bench(
+        args.preset.split(","),
+        args.scheme.split(","),
+        tokens,
+        out_dir=args.out,
+        providers=tuple(args.providers.split(",")),
+        graph=not args.eager,
+        parts=not args.no_parts,
+    )
     return 0
 
 
 def _cmd_tune(args) -> int:
-    from .tune import tune
+    from .tune import SCHEMES, parse_presets, plan_summary, tune_many
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    presets = parse_presets(args.preset)
+    schemes = list(SCHEMES) if args.scheme == "all" else [s for s in args.scheme.split(",") if s]
     tokens = [int(t) for t in args.tokens.split(",")]
-    for scheme in args.scheme.split(","):
-        for path in tune(args.preset, scheme, tokens, out_dir=args.out, space=args.space, device=device):
-            print(f"wrote {path}")
-    return 0
+    extra = [int(t) for t in args.extra_tokens.split(",") if t]
+    if args.dry_run:
+        print(plan_summary(presets, schemes, tokens + extra, args.space, args.workers or 12))
+        return 0
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    report = tune_many(
+        presets,
+        schemes,
+        tokens,
+        extra_tokens=extra,
+        out_dir=args.out,
+        space=args.space,
+        device=device,
+        budget_s=args.budget_s,
+        workers=args.workers,
+        screen_ms=args.screen_ms,
+        retime_ms=args.retime_ms,
+        top=args.top,
+    )
+    text = report.markdown()
+    print(text)
+    if args.summary:
+        from pathlib import Path
+
+        Path(args.summary).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.summary).write_text(text + "\n")
+    failed = [c for c in report.combos if c.error]
+    return 1 if failed or not report.files else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,17 +203,31 @@ def main(argv: list[str] | None = None) -> int:
 
     b = sub.add_parser("bench", help="time the layer against PyTorch grouped GEMM and the roofline (GPU)")
     b.add_argument("--preset", default="mixtral-8x7b,qwen3-30b-a3b,deepseek-v3,gpt-oss-20b")
-    b.add_argument("--scheme", default="bf16,fp8_block")
-    b.add_argument("--tokens", default="1,16,64,256,1024,4096")
+    b.add_argument("--scheme", default="bf16,fp8_tensor,fp8_block")
+    b.add_argument("--tokens", default="1,16,64,256,1024,4096,16384")
+    b.add_argument("--providers", default="fusedmoe,grouped_mm,torch_grouped_mm,loop")
+    b.add_argument("--eager", action="store_true", help="time eager calls instead of CUDA-graph replays")
+    b.add_argument("--no-parts", action="store_true", help="skip the per-kernel breakdown")
     b.add_argument("--out", default=None)
+    b.add_argument("--ep", action="store_true", help="expert parallelism on every GPU here (fusedmoe.bench_ep)")
+    b.add_argument("--ep-args", default="", help='with --ep: options of fusedmoe.bench_ep, e.g. "--tokens 128"')
+    b.add_argument("--nproc", type=int, default=None, help="with --ep: ranks (default: every GPU)")
     b.set_defaults(fn=_cmd_bench)
 
     tn = sub.add_parser("tune", help="search launch configs for a preset on this GPU; write the JSON the runtime reads")
-    tn.add_argument("--preset", default="qwen3-30b-a3b")
-    tn.add_argument("--scheme", default="bf16")
+    tn.add_argument("--preset", default="qwen3-30b-a3b", help="comma list, or 'all' (the four shipped presets)")
+    tn.add_argument("--scheme", default="bf16", help="comma list (bf16,fp8_tensor,fp8_block), or 'all'")
     tn.add_argument("--tokens", default="1,16,64,256,1024,4096")
+    tn.add_argument("--extra-tokens", default="", help="token counts tuned after all the others, as budget allows")
     tn.add_argument("--space", default="quick", choices=["quick", "full", "tiny"])
     tn.add_argument("--out", default=None, help="folder (default: the package's configs/)")
+    tn.add_argument("--budget-s", type=float, default=None, help="wall-clock budget: fewer candidates, then stop")
+    tn.add_argument("--workers", type=int, default=None, help="compile processes (default min(12, CPUs - 2) on a GPU)")
+    tn.add_argument("--screen-ms", type=float, default=8.0, help="timing per candidate, first pass")
+    tn.add_argument("--retime-ms", type=float, default=60.0, help="timing per finalist and the heuristic")
+    tn.add_argument("--top", type=int, default=3, help="finalists re-timed per step")
+    tn.add_argument("--summary", default=None, help="also write the summary (markdown) here")
+    tn.add_argument("--dry-run", action="store_true", help="print candidate counts and the time estimate only")
     tn.set_defaults(fn=_cmd_tune)
 
     args = p.parse_args(argv)

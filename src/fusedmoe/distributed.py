@@ -21,6 +21,20 @@ The EP dispatchers (``dispatch/allgather.py``, ``dispatch/all2all.py``,
   and weights, headers) packed into one uint8 [N, B] buffer, so each exchange
   is one collective of plain bytes. fp8 and e8m0 values travel as bytes (gloo
   rejects fp8 dtypes: "Invalid scalar type").
+- ``EPDispatcher``: the base of the three. Per call it finds the *token bound*:
+  a size every rank computes alike without exchanging counts, so the exchange
+  can be fixed blocks (no host sync, CUDA-graph capturable). Eager calls through
+  ``MoEKernel.forward`` get it from ``agree_num_chunks`` (the one all-reduce per
+  forward, which now also carries each rank's largest chunk); direct calls and
+  captured graphs from the workspace of ``MoEKernel.allocate(max_tokens)``
+  (checked equal on every rank once). ``route`` gives each token its send row
+  for every rank it goes to (4 small kernels, no sync); ``dispatch/rows.py``
+  moves the rows (one scatter launch to pack, one gather-sum to combine).
+
+Why: at 128 tokens per rank on 4 H200 an eager all2all took 598 us to dispatch
+against a 78 us all_to_all of the same bytes; the split-size exchange and its
+.tolist() alone cost ~60 us, and ~30 small ops and three host syncs the rest
+(benchmarks/results/ep_4xh200_2026-11-21.md).
 """
 
 from __future__ import annotations
@@ -37,8 +51,10 @@ import torch.distributed as dist
 
 from .config import MoEConfig, ParallelConfig
 from .dispatch.base import Dispatcher
+from .dispatch.rows import route as route_rows
 from .errors import FusedMoEError, expect
-from .experts.base import WeightedReduce
+from .experts.base import WeightedReduce, Workspace
+from .kernel import quantized_layout
 from .metadata import TopK
 from .quant import QTensor, QuantScheme
 
@@ -281,7 +297,7 @@ class RowLayout:
             n = 1
             for d in shape:
                 n *= d
-            nb = n * torch.empty((), dtype=dtype).element_size()
+            nb = n * dtype.itemsize
             out.append(RowField(name, dtype, tuple(shape), off, nb))
             off += -(-nb // _ALIGN) * _ALIGN
         self.fields = {f.name: f for f in out}
@@ -323,10 +339,17 @@ def _capturing(device: torch.device) -> bool:
 
 class EPDispatcher(Dispatcher):
     """What the EP dispatchers share: the group, the expert placement, the set-up check,
-    the wire format of the (quantized) activations, and input checks.
+    the per-call token bound, the wire format of the (quantized) activations, the routing
+    of tokens to ranks, and input checks.
 
     Construction is collective: every rank of the group must construct the same
     dispatcher (``verify=True`` runs ``check_layer_agreement`` there, once).
+
+    The token bound of a call (``token_bound``) is what lets a dispatcher send fixed-size
+    blocks (no exchange of counts, no host sync): every rank must compute the same bound.
+    It comes from ``agree_num_chunks`` (MoEKernel's one all-reduce per forward, eager),
+    or else from the workspace (``MoEKernel.allocate(max_tokens)``: checked equal on every
+    rank once, the first time it is seen; then every call must stay within it).
     """
 
     distributed = True
@@ -349,22 +372,163 @@ class EPDispatcher(Dispatcher):
         self.num_local_experts = self.placement.local_counts[self.rank]
         self.device = comm_device(self.group)
         self._templates: dict = {}
+        self._tables: dict = {}
         self._checked_map = None
+        self._agreed: list[int] | None = None  # [largest chunk over ranks, dispatches left]
+        self._verified: set[int] = set()  # workspace capacities checked equal on every rank
         # bytes this rank hands to the last dispatch's and combine's collectives, counted as the
         # input of an all-to-all (an all-gather of n bytes = W * n); host ints, known without a sync
         self.wire_bytes: tuple[int, int] = (0, 0)
+        # how the last dispatch exchanged: 'fixed' (blocks of the token bound, no host sync) or
+        # 'variable' (sizes exchanged first, one host sync)
+        self.last_mode = ""
         if verify:
             check_layer_agreement(config, scheme, self.parallel, self.name, self.group, self.options())
 
-    def agree_num_chunks(self, n: int) -> int:
-        """Max of ``n`` over the EP group (one small all-reduce; syncs the host)."""
-        t = torch.tensor([n], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        return int(t.item())
+    def agree_num_chunks(self, n: int, num_tokens: int | None = None) -> int:
+        """Max of ``n`` over the EP group: one small all-reduce (syncs the host) that also
+        carries ``num_tokens``, this rank's largest chunk, so the next ``n`` dispatches know
+        the largest chunk of any rank and send fixed blocks of that size (see ``token_bound``).
+
+        Under CUDA-graph capture nothing is exchanged and ``n`` is returned: every rank must
+        capture the same number of chunks, each within its workspace (``MoEKernel.allocate``).
+        """
+        self._agreed = None
+        if _capturing(self.device):
+            return n
+        unknown = num_tokens is None
+        v = torch.tensor([n, 0 if unknown else num_tokens, int(unknown)], dtype=torch.int64, device=self.device)
+        dist.all_reduce(v, op=dist.ReduceOp.MAX, group=self.group)
+        n_all, tokens, any_unknown = v.tolist()
+        if not any_unknown:
+            self._agreed = [tokens, n_all]
+        return n_all
 
     def options(self) -> dict:
         """Constructor options every rank must agree on (part of the set-up check)."""
         return {}
+
+    # ---- the per-call token bound ---------------------------------------------
+    def workspace(self, num_tokens: int, num_local_experts: int) -> Workspace:
+        """Buffers of the fixed-size exchange for ``num_tokens`` tokens per rank (what
+        ``MoEKernel.allocate`` creates; their size is the capacity ``token_bound`` reads)."""
+        return Workspace({"dest": ((num_tokens, self.world), torch.int64)})
+
+    @staticmethod
+    def _workspace_tokens(workspace: dict | None) -> int | None:
+        buf = None if workspace is None else workspace.get("dest")
+        return None if buf is None else buf.shape[0]
+
+    def token_bound(self, t: int, workspace: dict | None) -> tuple[int | None, bool]:
+        """(B, fits): B bounds the tokens of every rank in this call and is the same on every
+        rank (None: unknown, sizes must be exchanged); fits: the workspace holds B tokens.
+
+        B is the largest chunk agreed by ``agree_num_chunks`` for this call (MoEKernel, eager);
+        else the workspace's capacity (checked equal on every rank once); this rank holding
+        more than that is an error here (the other ranks then wait in the exchange until the
+        process group's timeout: a direct call or a captured graph must stay within it).
+        """
+        ws = self._workspace_tokens(workspace)
+        if ws is not None:
+            self._verify_capacity(ws)
+        a = self._agreed
+        if a is not None:
+            a[1] -= 1
+            if a[1] <= 0:
+                self._agreed = None
+            return a[0], ws is not None and a[0] <= ws
+        if ws is None:
+            return None, False
+        if t > ws:
+            raise FusedMoEError(
+                f"{self.name}: this rank (EP rank {self.rank}) has {t} tokens, but the workspace holds "
+                f"{ws} per rank (MoEKernel.allocate(max_tokens)); call MoEKernel.forward (its ranks agree on "
+                "sizes first) or allocate for more tokens. The other ranks wait in the exchange until the "
+                "process group's timeout"
+            )
+        return ws, True
+
+    def _verify_capacity(self, tokens: int) -> None:
+        """Every rank's workspace must hold the same number of tokens: one all-reduce the first
+        time a capacity is seen (eager); all ranks raise together if they differ."""
+        if tokens in self._verified or _capturing(self.device):
+            return
+        v = torch.tensor([tokens, -tokens], dtype=torch.int64, device=self.device)
+        dist.all_reduce(v, op=dist.ReduceOp.MAX, group=self.group)
+        hi, neg_lo = v.tolist()
+        lo = -neg_lo
+        if hi != lo:
+            raise FusedMoEError(
+                f"{self.name}: the EP ranks' workspaces hold from {lo} to {hi} tokens per rank; every rank "
+                "must call MoEKernel.allocate with the same max_tokens (fixed-size exchanges need one size)"
+            )
+        self._verified.add(tokens)
+
+    # ---- routing tokens to ranks ---------------------------------------------------
+    def _table(self, name: str, device) -> torch.Tensor:
+        """Small device tables built once per device from the placement (a host-to-device copy:
+        the first call must be eager, as the warm-up before a CUDA-graph capture is)."""
+        key = (name, device)
+        if key not in self._tables:
+            p, r = self.placement, self.rank
+            e = p.num_experts
+            if name == "owner":  # expert -> rank
+                val = torch.tensor(p.owner, dtype=torch.int32)
+            elif name == "remap":  # wire id -> global id the experts see; 0 -> an expert of another rank
+                # (a rank owning every expert, E < W, gets expert 0: its zero padding rows are computed,
+                # and their outputs are dropped by combine)
+                foreign = next((g for g in range(e) if p.owner[g] != r), 0)
+                val = torch.tensor([foreign, *range(e)], dtype=torch.int32)
+            elif name == "to_local":  # wire id -> local expert id, or E_l for none / another rank's
+                e_l = self.num_local_experts
+                val = torch.tensor([e_l] + [p.local_id[g] if p.owner[g] == r else e_l for g in range(e)])
+            else:
+                raise KeyError(name)
+            self._tables[key] = val.to(device)
+        return self._tables[key]
+
+    def route(self, ids: torch.Tensor, rows: int | None, *, wire: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(dest, counts) of ``dispatch.rows.route`` for this placement: dest int64 [T, W] = the
+        send row of token t's copy for rank r, or -1; counts int64 [W] = rows for each rank.
+        Blocks of ``rows`` rows (fixed) or (None) packed one after another (variable)."""
+        return route_rows(ids, self._table("owner", ids.device), self.world, rows, wire=wire)
+
+    def received_topk(self, lay: RowLayout, recv: torch.Tensor) -> TopK:
+        """The routing of received rows: padding rows (wire id 0) get an expert of another rank,
+        which this rank's experts skip (their zero rows are computed by nobody)."""
+        ids = self._table("remap", recv.device)[lay.view(recv, "ids")]
+        return TopK(ids, lay.view(recv, "w").contiguous())
+
+    def row_layout(self, weights, device, extra: Sequence = ()) -> RowLayout:
+        """Wire row: activations (x, or quantized data + row scales), wire ids int32 [K]
+        (1 + expert, 0 = none), router weights fp32 [K], then ``extra`` fields (built once)."""
+        key = ("layout", device, self.quantizes_before(), tuple(extra))
+        if key not in self._tables:
+            fields, _, _ = self._template(weights, device)
+            k = self.config.top_k
+            self._tables[key] = RowLayout([*fields, ("ids", torch.int32, (k,)), ("w", torch.float32, (k,)), *extra])
+        return self._tables[key]
+
+    def declared_row_bytes(self, extra: Sequence = ()) -> int:
+        """``row_layout``'s row size without weights (for ``workspace``: shapes only)."""
+        h, k = self.config.hidden_size, self.config.top_k
+        if self.quantizes_before():
+            q = quantized_layout("a", self.scheme.a1, 1, h, self.config.dtype)
+            fields = [("data", q["a"][1], q["a"][0][1:])]
+            if self._row_scales() and "a_scale" in q:
+                fields.append(("scale", q["a_scale"][1], q["a_scale"][0][1:]))
+        else:
+            fields = [("x", self.config.dtype, (h,))]
+        return RowLayout([*fields, ("ids", torch.int32, (k,)), ("w", torch.float32, (k,)), *extra]).row_bytes
+
+    def pack_rows(self, lay: RowLayout, rows: torch.Tensor, a: QTensor | None, x, ids, topk_w, *, wire=False):
+        """Write each token's wire row into ``rows`` uint8 [T, B] (one kernel per field); ``ids``
+        are expert ids (written + 1) or, with ``wire``, wire ids already."""
+        if wire:
+            lay.view(rows, "ids").copy_(ids)
+        else:
+            torch.add(ids, 1, out=lay.view(rows, "ids"))
+        return lay.pack(rows, w=topk_w, **self.wire_tensors(a, x))
 
     # ---- quantization around the exchange ---------------------------------
     def quantizes_before(self) -> bool:

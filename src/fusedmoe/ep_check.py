@@ -10,11 +10,23 @@ all E experts), keeps its own slice of tokens (``tokens[r]`` rows, possibly
 none) and its local experts' weights (``shard_experts``), runs dispatch ->
 experts -> combine, and compares its rows with the same rows of
 ``moe_reference`` of the full problem (relative error, the ``tolerance`` table).
-Checked exactly on the way: the rows each dispatcher hands the experts
-(all-gather: every token; all2all: one row per (token, rank owning one of its
-experts); low latency: per-expert counts = the pairs routed to each local
-expert), and that the output is fully written (the experts' buffer is
-poisoned, so combine reading a row the experts never wrote shows as NaN).
+Each case runs every way a dispatcher can size its exchange (``PATHS``):
+
+    direct        dispatch/combine called directly, no workspace: sizes exchanged
+                  (all-gather and all2all: 'variable'; low latency: no token bound,
+                  so its overflow bookkeeping runs)
+    workspace     directly with the workspace MoEKernel.allocate(max tokens) would give:
+                  fixed blocks of that capacity, no host sync ('fixed')
+    kernel        MoEKernel in chunks of 2, no workspace: the ranks agree on the largest
+                  chunk once per forward (all-gather 'fixed'; all2all keeps 'variable')
+    kernel+ws     the same after MoEKernel.allocate: every dispatcher 'fixed'
+
+Checked exactly on the way: the rows each dispatcher hands the experts (all-gather: every
+token; all2all: one row per (token, rank owning one of its experts), plus padding rows in
+fixed blocks, which no local expert takes; low latency: per-expert counts = the pairs
+routed to each local expert), the exchange mode, and that the output is fully written
+(the experts' buffer is poisoned, so combine reading a row the experts never wrote shows
+as NaN).
 """
 
 from __future__ import annotations
@@ -29,6 +41,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .config import MoEConfig, ParallelConfig
 from .dispatch.all2all import All2AllDispatcher
@@ -36,7 +49,7 @@ from .dispatch.allgather import AllGatherReduceScatterDispatcher
 from .dispatch.low_latency import All2AllLowLatencyDispatcher
 from .distributed import ExpertPlacement, init_ep, shard_experts
 from .errors import FusedMoEError
-from .experts.base import TokenLayout
+from .experts.base import TokenLayout, WeightedReduce
 from .kernel import MoEKernel
 from .metadata import TopK
 from .quant import QuantScheme
@@ -105,14 +118,15 @@ def make_dispatcher(case: EPCase, config, scheme, parallel, group=None, **kw):
     return cls(config, scheme, parallel, group=group, **kw)
 
 
-def ep_forward(dispatcher, experts, x, topk, weights, expert_map):
+def ep_forward(dispatcher, experts, x, topk, weights, expert_map, workspace=None):
     """dispatch -> experts -> combine on every rank, with the experts' buffer poisoned.
 
     Unlike ``MoEKernel.forward`` this does not chunk and does not return early
     on T == 0: a rank without tokens must still join the collectives.
     Returns (out [T, H], the Dispatched bundle).
     """
-    d = dispatcher.dispatch(x, topk, weights, expert_map=expert_map)
+    kw = {} if workspace is None else {"workspace": workspace}
+    d = dispatcher.dispatch(x, topk, weights, expert_map=expert_map, **kw)
     y = poison_(torch.empty(dispatcher.output_shape(d, experts.reduce), dtype=x.dtype, device=x.device))
     if experts.layout is TokenLayout.STANDARD:
         experts.apply(d.a, d.topk, weights, y, expert_map=expert_map)
@@ -123,14 +137,18 @@ def ep_forward(dispatcher, experts, x, topk, weights, expert_map):
     return out, d
 
 
-def _expected_rows(case: EPCase, prob, placement: ExpertPlacement, rank: int, d) -> str:
+def _expected_rows(case: EPCase, prob, placement: ExpertPlacement, rank: int, d, emap, mode: str) -> str:
     """'' if the dispatched rows are exactly what the protocol says, else what differs."""
     ids = prob.topk_ids.long().cpu()
     owner = torch.tensor(placement.owner)[ids]
-    if case.dispatcher == "allgather_reducescatter":
-        want, got = ids.shape[0], d.num_tokens
-    elif case.dispatcher == "all2all":
-        want, got = int((owner == rank).any(dim=1).sum()), d.num_tokens
+    if case.dispatcher in ("allgather_reducescatter", "all2all"):
+        # rows a local expert takes = tokens (of any rank) with an expert here; padding rows take none
+        want = int((owner == rank).any(dim=1).sum())
+        got = int((emap.cpu()[d.topk.ids.long().cpu()] >= 0).any(dim=1).sum()) if d.num_tokens else 0
+        if d.num_tokens % len(case.tokens) and (case.dispatcher == "allgather_reducescatter" or mode == "fixed"):
+            return f"{d.num_tokens} rows in fixed blocks, not a multiple of {len(case.tokens)} ranks"
+        if case.dispatcher == "all2all" and mode == "variable" and d.num_tokens != want:
+            return f"all2all received {d.num_tokens} rows, expected exactly the {want} tokens with an expert here"
     else:
         mine = placement.experts_of(rank)
         want = [int((ids == e).sum()) for e in mine]
@@ -138,6 +156,15 @@ def _expected_rows(case: EPCase, prob, placement: ExpertPlacement, rank: int, d)
         if d.counts.dtype != torch.int32:
             return f"counts dtype {d.counts.dtype}, expected int32"
     return "" if want == got else f"dispatched rows {got}, expected {want}"
+
+
+# how each path must have exchanged, per dispatcher ('' = not checked)
+PATHS = ("direct", "workspace", "kernel", "kernel+ws")
+MODES = {
+    "allgather_reducescatter": ("variable", "fixed", "fixed", "fixed"),
+    "all2all": ("variable", "fixed", "variable", "fixed"),
+    "all2all_low_latency": ("fixed", "fixed", "fixed", "fixed"),
+}
 
 
 _PROBLEMS: dict = {}
@@ -172,30 +199,42 @@ def run_case(case: EPCase, device, group=None) -> Result:
     emap = parallel.expert_map(config.num_experts, device)
     disp = make_dispatcher(case, config, scheme, parallel, group)
     x, topk = prob.x[lo:hi], TopK(prob.topk_ids[lo:hi], prob.topk_weights[lo:hi])
+    tol = tolerance(scheme, config.dtype)
+    problems, modes = [], []
     t0 = time.perf_counter()
-    out, d = ep_forward(disp, experts, x, topk, weights, emap)
-    if out.is_cuda:
+    err = 0.0
+    e_l = len(parallel.local_experts(config.num_experts))
+    for path, want_mode in zip(PATHS, MODES[case.dispatcher], strict=True):
+        d = None
+        if path in ("direct", "workspace"):
+            ws = disp.workspace(max(case.tokens), e_l).allocate(device) if path == "workspace" else None
+            out, d = ep_forward(disp, experts, x, topk, weights, emap, ws)
+        else:
+            # MoEKernel in chunks of 2 tokens: ranks with fewer (or no) tokens join every chunk's collectives
+            kern = MoEKernel(disp, experts, chunk_size=2)
+            if path == "kernel+ws":
+                kern.allocate(max(case.tokens), device)
+            out = kern(x, topk, weights, expert_map=emap)
+        modes.append(disp.last_mode)
+        e = rel_error(out, ref[lo:hi])
+        err = max(err, e)
+        where = f"{path}: "
+        if out.shape != x.shape or out.dtype != x.dtype:
+            problems.append(f"{where}out {tuple(out.shape)} {out.dtype}, expected {tuple(x.shape)} {x.dtype}")
+        if not all_written(out):
+            problems.append(f"{where}out has unwritten (NaN) elements")
+        if d is not None:
+            rows = _expected_rows(case, prob, placement, rank, d, emap, disp.last_mode)
+            if rows:
+                problems.append(where + rows)
+        if not e <= tol:
+            problems.append(f"{where}relative error {e:.3e} > {tol:.1e}")
+        if disp.last_mode != want_mode:
+            problems.append(f"{where}exchange mode {disp.last_mode!r}, expected {want_mode!r}")
+    if device.type == "cuda":
         torch.cuda.synchronize()
     ms = (time.perf_counter() - t0) * 1e3
-    err = rel_error(out, ref[lo:hi])
-    tol = tolerance(scheme, config.dtype)
-    problems = []
-    if out.shape != x.shape or out.dtype != x.dtype:
-        problems.append(f"out {tuple(out.shape)} {out.dtype}, expected {tuple(x.shape)} {x.dtype}")
-    if not all_written(out):
-        problems.append("out has unwritten (NaN) elements")
-    rows = _expected_rows(case, prob, placement, rank, d)
-    if rows:
-        problems.append(rows)
-    if not err <= tol:
-        problems.append(f"relative error {err:.3e} > {tol:.1e}")
-    # the same through MoEKernel in chunks of 2 tokens: ranks with fewer (or no) tokens
-    # must join every chunk's collectives
-    chunked = MoEKernel(disp, experts, chunk_size=2)(x, topk, weights, expert_map=emap)
-    cerr = rel_error(chunked, ref[lo:hi])
-    if not cerr <= tol:
-        problems.append(f"chunked MoEKernel: relative error {cerr:.3e} > {tol:.1e}")
-    extra = {"quantized_before_exchange": disp.quantizes_before()}
+    extra = {"quantized_before_exchange": disp.quantizes_before(), "modes": modes}
     return Result(case.label, rank, not problems, err, tol, case.tokens[rank], "; ".join(problems), ms, extra)
 
 
@@ -320,6 +359,132 @@ def check_mismatch(device, group=None) -> dict:
     return got
 
 
+def check_bounds(device, group=None) -> dict:
+    """The edges of the token bound, each dispatcher against the reference:
+
+    - ``MoEKernel.allocate(2)`` while rank 0 holds 5 tokens (one chunk): the agreed chunk
+      exceeds the workspace, so every rank leaves it alone together (all2all: variable
+      sizes; all-gather and low latency: fixed blocks of 5 rows);
+    - workspaces of different sizes on different ranks (a direct call): every rank raises,
+      naming both sizes, before any exchange of rows.
+
+    Returns {dispatcher: (rel error, tol, mode)} and the error message under 'mismatch'."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    tokens = tuple(5 if r == 0 else r % 2 for r in range(world))  # rank 1 holds 1, rank 2 none
+    got = {}
+    for dname, ename in (
+        ("allgather_reducescatter", "reference"),
+        ("all2all", "reference"),
+        ("all2all_low_latency", "reference_batched"),
+    ):
+        case = EPCase(dname, ename, "fp8_token", tokens, capacity=4, seed=3)
+        config = case.config()
+        prob, ref = _problem(case, device)
+        parallel = ParallelConfig(ep_size=world, ep_rank=rank)
+        experts = get_experts(ename)(config, prob.scheme)
+        weights = experts.prepare_weights(shard_experts(prob.weights, parallel.local_experts(config.num_experts)))
+        emap = parallel.expert_map(config.num_experts, device)
+        disp = make_dispatcher(case, config, prob.scheme, parallel, group)
+        lo = sum(tokens[:rank])
+        hi = lo + tokens[rank]
+        kern = MoEKernel(disp, experts)
+        kern.allocate(2, device)
+        out = kern(prob.x[lo:hi], TopK(prob.topk_ids[lo:hi], prob.topk_weights[lo:hi]), weights, expert_map=emap)
+        got[dname] = (rel_error(out, ref[lo:hi]), tolerance(prob.scheme, config.dtype), disp.last_mode)
+    config = MoEConfig(7, 2, 64, 32)
+    parallel = ParallelConfig(ep_size=world, ep_rank=rank)
+    disp = AllGatherReduceScatterDispatcher(config, QuantScheme.unquantized(), parallel, group=group)
+    prob = make_problem(config, QuantScheme.unquantized(), 2, seed=4, device=device)
+    weights = shard_experts(prob.weights, parallel.local_experts(config.num_experts))
+    ws = disp.workspace(3 + rank, disp.num_local_experts).allocate(device)
+    experts = get_experts("reference")(config, prob.scheme)
+    topk = TopK(prob.topk_ids, prob.topk_weights)
+    try:
+        ep_forward(disp, experts, prob.x, topk, weights, parallel.expert_map(7, device), ws)
+        got["mismatch"] = "no error"
+    except FusedMoEError as e:
+        got["mismatch"] = str(e)
+    return got
+
+
+class HostSyncs(TorchDispatchMode):
+    """Records what would make the host wait for a GPU: reading a value (``.item()``, ``.tolist()``,
+    ``bool(t)``), ``nonzero``, and creating a tensor from host data (a host-to-device copy)."""
+
+    NAMES = ("_local_scalar_dense", "nonzero", "lift_fresh")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if name in self.NAMES:
+            self.seen.append(name)
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        self._tolist = torch.Tensor.tolist
+        seen, tolist = self.seen, self._tolist
+
+        def spy(t):
+            seen.append("tolist")
+            return tolist(t)
+
+        torch.Tensor.tolist = spy
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)
+
+
+def check_no_host_sync(device, group=None) -> dict:
+    """Fixed blocks (a workspace) never make the host wait: dispatch + combine of every dispatcher
+    (bf16; after one warm-up call, which builds the tables) record no host sync, while variable
+    sizes record theirs. Returns {dispatcher/mode: ops seen}. (On the CPU the row movers run their
+    PyTorch references, which are sync-free too; quantizers are left out: bf16.)"""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    config, scheme = MoEConfig(7, 2, 64, 32), QuantScheme.unquantized()
+    parallel = ParallelConfig(ep_size=world, ep_rank=rank)
+    t = 3 if rank == 0 else rank - 1  # rank 1 holds none
+    prob = make_problem(config, scheme, t, seed=5, device=device)
+    topk = TopK(prob.topk_ids, prob.topk_weights)
+    emap = parallel.expert_map(config.num_experts, device)
+    got = {}
+    for name, mode in (
+        ("allgather_reducescatter", "fixed"),
+        ("all2all", "fixed"),
+        ("all2all_low_latency", "fixed"),
+        ("allgather_reducescatter", "variable"),
+        ("all2all", "variable"),
+    ):
+        disp = DISPATCHERS[name](config, scheme, parallel, group=group)
+        weights = shard_experts(prob.weights, parallel.local_experts(config.num_experts))
+        std = disp.layout is TokenLayout.STANDARD
+        kw = {"expert_map": emap if std else None}
+        if mode == "fixed":
+            kw["workspace"] = disp.workspace(4, disp.num_local_experts).allocate(device)
+        reduce = WeightedReduce.NONE if std else WeightedReduce.WEIGHT_AND_SUM
+        disp.dispatch(prob.x, topk, weights, **kw)
+        guard = HostSyncs()
+        with guard:
+            d = disp.dispatch(prob.x, topk, weights, **kw)
+            y = torch.zeros(disp.output_shape(d, reduce), dtype=prob.x.dtype, device=device)
+            disp.combine(y, d, torch.empty_like(prob.x), reduce)
+        got[f"{name}/{mode}"] = guard.seen
+    return got
+
+
+def no_host_sync_ok(per_rank: list[dict]) -> bool:
+    """What ``check_no_host_sync`` must give on every rank."""
+    return all(
+        all(not seen for k, seen in got.items() if k.endswith("/fixed"))
+        and all(seen for k, seen in got.items() if k.endswith("/variable"))
+        for got in per_rank
+    )
+
+
 def check_overflow(device, group=None) -> dict:
     """Low latency with capacity 2 while one expert needs more: every rank raises (eager), or the flag
     records the need (``raise_on_overflow=False``) and ``check_capacity`` raises. Then a run that fits."""
@@ -378,6 +543,17 @@ def check_overflow(device, group=None) -> dict:
     return got
 
 
+def bounds_ok(per_rank: list[dict]) -> bool:
+    """What ``check_bounds`` must give on every rank."""
+    want = {"allgather_reducescatter": "fixed", "all2all": "variable", "all2all_low_latency": "fixed"}
+    return all(
+        all(got[d][0] <= got[d][1] and got[d][2] == m for d, m in want.items())
+        and "from 3 to " in got["mismatch"]
+        and "MoEKernel.allocate" in got["mismatch"]
+        for got in per_rank
+    )
+
+
 # ---- torchrun entry point ----------------------------------------------------------
 def _gather(obj, group=None) -> list:
     out = [None] * dist.get_world_size(group)
@@ -408,18 +584,28 @@ def main(argv=None) -> int:
             worst = max(x["rel_error"] for x in every)
             status = "ok" if not bad else "FAIL " + " | ".join(f"rank {x['rank']}: {x['detail']}" for x in bad)
             print(f"{case.label:<90} max rel err {worst:.2e} (tol {every[0]['tol']:.0e}) {status}", flush=True)
-    extra = {"mismatch": _gather(check_mismatch(device)), "overflow": _gather(check_overflow(device))}
-    ok_extra = all(
-        "MoEConfig.hidden_size" in m["hidden_size"]
-        and "dispatcher.capacity" in m["capacity"]
-        and "ParallelConfig.ep_size" in m["ep_size"]
-        for m in extra["mismatch"]
-    ) and all(
-        "capacity=2" in o["eager"] and o["flag"] > 2 and "capacity=2" in o["check"] and o["fits"]["ok"]
-        for o in extra["overflow"]
+    extra = {
+        "mismatch": _gather(check_mismatch(device)),
+        "overflow": _gather(check_overflow(device)),
+        "bounds": _gather(check_bounds(device)),
+        "host_syncs": _gather(check_no_host_sync(device)),
+    }
+    ok_extra = (
+        bounds_ok(extra["bounds"])
+        and no_host_sync_ok(extra["host_syncs"])
+        and all(
+            "MoEConfig.hidden_size" in m["hidden_size"]
+            and "dispatcher.capacity" in m["capacity"]
+            and "ParallelConfig.ep_size" in m["ep_size"]
+            for m in extra["mismatch"]
+        )
+        and all(
+            "capacity=2" in o["eager"] and o["flag"] > 2 and "capacity=2" in o["check"] and o["fits"]["ok"]
+            for o in extra["overflow"]
+        )
     )
     if rank == 0:
-        print(f"config mismatch and capacity overflow checks: {'ok' if ok_extra else 'FAIL'}")
+        print(f"config mismatch, capacity overflow, token bound, host sync checks: {'ok' if ok_extra else 'FAIL'}")
         print(json.dumps(extra["overflow"][0], default=str)[:400])
         os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, f"ep_check_w{world}.json")

@@ -253,7 +253,7 @@ class MoEKernel:
         if distributed:
             # every rank must join every collective: a rank with fewer (or no) tokens
             # runs empty chunks until the rank with the most tokens is done
-            n_chunks = self.dispatcher.agree_num_chunks(max(n_chunks, 1))
+            n_chunks = self.dispatcher.agree_num_chunks(max(n_chunks, 1), num_tokens=min(t, step))
         a1_scale = self._pinned_a1_scale(x, t)
         bufs = self._buffers_for(x)
         shared_fn = self.shared_experts if shared else None

@@ -50,7 +50,12 @@ def register_kernel(kernel, name: str | None = None) -> str:
 def registered_kernel(name: str):
     """The live ``MoEKernel`` registered as ``name``."""
     kernel = _KERNELS.get(name)
-    expect(kernel is not None, "MoEKernel name", "the name of a live kernel (its layer still exists)", name)
+    expect(
+        kernel is not None,
+        "MoEKernel name",
+        "the name of a live kernel (its layer, or fused_moe's kernel cache, still holds it)",
+        name,
+    )
     return kernel
 
 

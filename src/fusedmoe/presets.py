@@ -27,3 +27,23 @@ PRESETS: dict[str, dict] = {
 def preset_config(name: str, **overrides) -> MoEConfig:
     expect(name in PRESETS, "preset", f"one of {sorted(PRESETS)}", name)
     return MoEConfig(**{**PRESETS[name], **overrides})
+
+
+def preset_router(name: str):
+    """The router of a preset's model (``RouterConfig`` and whether it takes a correction bias)."""
+    from .routing import RouterConfig
+
+    c = preset_config(name)
+    if name == "deepseek-v3":
+        # sigmoid scores, 8 groups of which 4 are kept, e_score_correction_bias, scaling 2.5
+        return RouterConfig(
+            c.num_experts,
+            c.top_k,
+            scoring="sigmoid",
+            renormalize=True,
+            num_expert_group=8,
+            topk_group=4,
+            routed_scaling_factor=2.5,
+        ), True
+    # Mixtral, Qwen3 (norm_topk_prob), gpt-oss (softmax over the K chosen logits): renormalized softmax
+    return RouterConfig(c.num_experts, c.top_k, renormalize=True), False

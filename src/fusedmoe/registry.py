@@ -16,6 +16,7 @@ _EXPERT_MODULES = (
     "fusedmoe.experts.cpu",
     "fusedmoe.experts.triton",
     "fusedmoe.experts.grouped_mm",
+    "fusedmoe.experts.by_shape",
     "fusedmoe.experts.external",
 )
 _DISPATCH_MODULES = (

@@ -25,8 +25,11 @@ softmax + renormalize equals gpt-oss's "top-k of the logits, then softmax over
 those k". NaN logits give unspecified choices.
 
 ``custom_fn(logits, top_k) -> (weights [T, K], ids [T, K])`` replaces all of
-the above (the other settings must keep their defaults); its result is checked
-(shapes, dtypes, ids in range and distinct per row, finite weights).
+the above (the other settings must keep their defaults). Its result's shapes and
+dtypes are always checked; its values (ids in range and distinct per row, finite
+weights) only with value checks on (``check_values=True`` or
+``FUSEDMOE_CHECK_VALUES=1``), the policy of ``fusedmoe.validation``: reading them
+synchronises with the device, which would also break a ``torch.compile`` graph.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import torch
 
 from .errors import expect
 from .metadata import TopK
+from .validation import check_values_enabled
 
 __all__ = ["SCORINGS", "RouterConfig", "route"]
 
@@ -152,9 +156,17 @@ class RouterConfig:
         return self.num_expert_group is not None
 
     def route(
-        self, router_logits: torch.Tensor, correction_bias: torch.Tensor | None = None
+        self,
+        router_logits: torch.Tensor,
+        correction_bias: torch.Tensor | None = None,
+        *,
+        check_values: bool = False,
     ) -> TopK:
-        """router_logits [T, E] (any float dtype) -> TopK; correction_bias [E] or None."""
+        """router_logits [T, E] (any float dtype) -> TopK; correction_bias [E] or None.
+
+        check_values: also check a ``custom_fn``'s result's values (a host sync; see the
+        module docstring). ``FUSEDMOE_CHECK_VALUES=1`` turns it on too.
+        """
         logits = router_logits
         expect(
             isinstance(logits, torch.Tensor) and logits.dim() == 2 and logits.is_floating_point(),
@@ -179,7 +191,7 @@ class RouterConfig:
                 getattr(correction_bias, "shape", type(correction_bias)),
             )
         if self.custom_fn is not None:
-            return self._route_custom(logits)
+            return self._route_custom(logits, check_values_enabled(check_values))
 
         scores = logits.float()
         scores = scores.softmax(dim=-1) if self.scoring == "softmax" else scores.sigmoid()
@@ -214,7 +226,7 @@ class RouterConfig:
         keep = keep.repeat_interleave(e // g, dim=1)
         return choice.masked_fill(~keep, float("-inf"))
 
-    def _route_custom(self, logits: torch.Tensor) -> TopK:
+    def _route_custom(self, logits: torch.Tensor, check_values: bool) -> TopK:
         t, k, e = logits.shape[0], self.top_k, self.num_experts
         out = self.custom_fn(logits, k)
         expect(
@@ -238,7 +250,7 @@ class RouterConfig:
             f"an integer tensor of shape {(t, k)}",
             (tuple(ids.shape), ids.dtype),
         )
-        if t > 0:
+        if check_values and t > 0:
             expect(bool(((ids >= 0) & (ids < e)).all()), "custom_fn ids", f"in [0, {e})")
             s = ids.sort(dim=-1).values
             expect(bool((s[:, 1:] != s[:, :-1]).all()), "custom_fn ids", "distinct within each row")
@@ -264,10 +276,12 @@ def route(
     topk_group: int | None = None,
     routed_scaling_factor: float = 1.0,
     custom_fn: CustomRoutingFn | None = None,
+    check_values: bool = False,
 ) -> TopK:
     """Route ``router_logits`` [T, E] to ``top_k`` experts per token (see the module docstring).
 
-    Equivalent to ``RouterConfig(E, top_k, ...).route(router_logits, correction_bias)``.
+    Equivalent to ``RouterConfig(E, top_k, ...).route(router_logits, correction_bias,
+    check_values=check_values)``.
     """
     expect(
         isinstance(router_logits, torch.Tensor) and router_logits.dim() == 2,
@@ -285,4 +299,4 @@ def route(
         routed_scaling_factor=routed_scaling_factor,
         custom_fn=custom_fn,
     )
-    return cfg.route(router_logits, correction_bias)
+    return cfg.route(router_logits, correction_bias, check_values=check_values)

@@ -68,8 +68,12 @@ class Dispatcher:
         self.scheme = scheme
         self.parallel = parallel or ParallelConfig()
 
-    def agree_num_chunks(self, n: int) -> int:
-        """The number of chunks every rank runs (the maximum over ranks for distributed ones)."""
+    def agree_num_chunks(self, n: int, num_tokens: int | None = None) -> int:
+        """The number of chunks every rank runs (the maximum over ranks for distributed ones).
+
+        ``num_tokens``: this rank's largest chunk; distributed dispatchers share the maximum
+        over ranks with the next ``n`` dispatches, which then need no exchange of sizes.
+        """
         return n
 
     def max_tokens_per_rank(self, num_tokens: int) -> int:

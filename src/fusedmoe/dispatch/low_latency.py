@@ -1,38 +1,48 @@
-"""``all2all_low_latency``: fixed-capacity expert parallelism (batched layout, CUDA-graph capturable).
+"""``all2all_low_latency``: fixed-size expert parallelism (batched layout, CUDA-graph capturable).
 
-Every buffer size follows from the layer and ``capacity`` C (rows per local
-expert per source rank), so nothing waits for the host: no split-size
-exchange, no ``.item()``, no shape that depends on the routing. W ranks,
-E_r experts on rank r, E_l on this one, T tokens here, K top-k::
+Every buffer size follows from the layer, the token bound and ``capacity`` C
+(pairs per (local expert, source rank)), so nothing waits for the host: no
+split-size exchange, no ``.item()``, no shape that depends on the routing.
+W ranks, E_r experts on rank r, E_l on this one, T tokens here, K top-k::
 
-    dispatch  quantize x as scheme.a1 at the source (before the exchange; fp8 per
-              token or 1x128 blocks send ~H bytes + scales instead of 2H; a per-tensor
-              dynamic scale is instead taken after, over the rows each rank receives)
-              slot of each (token, k) pair = its rank among this rank's pairs for that
-              expert (stable sort); slot >= C overflows (not sent; see below)
-              send uint8 [sum_r E_r * C, B]: the chunk for rank r is E_r buckets of C rows;
-              row = quantized data (+ row scales) | int32 header (bucket count, need)
-              all_to_all_single, fixed splits [E_r * C] -> recv [W, E_l, C, B]
-              compact each local expert's rows from all sources (device-side index):
-              a [E_l, W * C, H] with counts int32 [E_l]
-    experts   batched layout; output [E_l, W * C, H], unweighted
-    combine   gather each received slot's output row, all_to_all_single back (fixed
-              splits, model dtype), out[t] = sum_k w[t, k] * row(t, k) in fp32
-              (WeightedReduce.WEIGHT_AND_SUM: the router weight is applied here)
+    R         rows each rank sends each rank = min(token bound, max_r E_r * C): the bound of
+              ``EPDispatcher.token_bound`` (MoEKernel's agreed largest chunk, or the workspace's
+              capacity); without one, max_r E_r * C (what the capacity can deliver)
+    dispatch  quantize x as scheme.a1 at the source (before the exchange; fp8 per token or
+              1x128 blocks send ~H bytes + scales instead of 2H; a per-tensor dynamic scale
+              is instead taken after, over the rows each rank receives)
+              when a rank may hold more than C tokens: a pair whose slot (its rank among this
+              rank's pairs for its expert, in token order) is >= C overflows: not sent (see below)
+              route each token to the ranks of its delivered experts (as all2all does) and
+              scatter_rows its wire row into fixed blocks: send uint8 [W * R, B], zeroed first
+              (unused rows are padding); row = quantized data (+ row scales) | wire ids int32
+              [K] (1 + expert id, 0 = not here) | router weights fp32 [K] (| need int32)
+              one all_to_all_single of equal splits -> recv [W * R, B]
+              regroup: each received pair of a local expert gets the next slot of that expert
+              (in source rank, token order: a running count per expert, no sort), and
+              scatter_rows copies its row there: a [E_l, M, H], M = W * C, counts int32 [E_l]
+    experts   batched layout; output [E_l, M, H], unweighted
+    combine   gather_sum each received row's local pairs (times its router weight, fp32, k in
+              order) -> [W * R, H] model dtype; all_to_all_single back; gather_sum each token's
+              rows from the ranks it went to (fp32, ranks in order) -> out [T, H]
 
-Overflow: each row's header carries its sender's largest bucket (``need``), so
-after the exchange every rank knows the largest count any (expert, source rank)
-needed. ``needed`` (int32 [1], on the device) keeps the maximum seen; with
-``raise_on_overflow`` (default) an eager dispatch reads it (one host sync) and
-every rank raises the same ``FusedMoEError`` naming the capacity and the count
-needed; under CUDA-graph capture nothing is read and ``check_capacity()``
-raises after a replay. Pairs past the capacity are never silently lost: they
-are either reported this way or the caller has opted out and checks the flag.
+So the wire carries each token once per rank it goes to (W * R rows), not each (expert,
+slot) bucket: at DeepSeek-V3's shape (E 256, K 8) on 4 ranks with 128 tokens per rank, 512
+rows (7.4 MB in bf16) where E * C buckets with C = the busiest expert's count (~12) moved
+3072 (44 MB). The regrouping into experts happens after the exchange, on the receiver.
 
-Memory: send and receive buffers of E * C and W * E_l * C rows of B bytes
-(DeepSeek-V3, E 256, C 128: B = 7408 with fp8 1x128 blocks, 230 MiB each; 14352
-in bf16, 450 MiB each); a bound T <= C on the tokens per rank guarantees no
-overflow (a token picks an expert at most once).
+Overflow: only possible when a rank may hold more than C tokens (a token picks an expert
+at most once, so a token bound T <= C excludes it; then none of this runs). Each row then
+carries its sender's largest per-expert count (``need``), so after the exchange every
+rank knows the largest count any (expert, source rank) needed. ``needed`` (int32 [1], on
+the device) keeps the maximum seen; with ``raise_on_overflow`` (default) an eager dispatch
+reads it (one host sync) and every rank raises the same ``FusedMoEError`` naming the
+capacity and the count needed; under CUDA-graph capture nothing is read and
+``check_capacity()`` raises after a replay. Pairs past the capacity are never silently
+lost: they are either reported this way or the caller has opted out and checks the flag.
+
+Memory: send and receive buffers of W * R rows of B bytes, the batched activations
+E_l * M rows (DeepSeek-V3 at EP4, C 128: 64 x 512 rows, 470 MiB in bf16, half in fp8).
 """
 
 from __future__ import annotations
@@ -40,12 +50,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..distributed import EPDispatcher, RowLayout, _capturing
+from ..distributed import EPDispatcher, _capturing
 from ..errors import FusedMoEError, expect
-from ..experts.base import TokenLayout, WeightedReduce
+from ..experts.base import TokenLayout, WeightedReduce, Workspace
+from ..kernel import quantized_layout, take
 from ..metadata import TopK
 from ..quant import QTensor
 from .base import Dispatched
+from .rows import as_words, gather_sum, scatter_rows
 
 DEFAULT_CAPACITY = 128
 
@@ -55,8 +67,8 @@ class All2AllLowLatencyDispatcher(EPDispatcher):
     layout = TokenLayout.BATCHED
     quantize_before_exchange = True
     note = (
-        "fixed capacity per (expert, source rank), all_to_all_single of fixed chunks, no host sync "
-        "(CUDA-graph capturable); quantized before the exchange; overflow raises"
+        "fixed capacity per (expert, source rank), one all_to_all_single of fixed blocks each way, no host sync "
+        "(CUDA-graph capturable); quantized before the exchange; regrouped by expert on the receiver; overflow raises"
     )
 
     def __init__(
@@ -80,7 +92,6 @@ class All2AllLowLatencyDispatcher(EPDispatcher):
         self.raise_on_overflow = raise_on_overflow
         super().__init__(config, scheme, parallel, group=group, verify=verify)
         self.needed = torch.zeros(1, dtype=torch.int32, device=self.device)
-        self._tables: dict = {}
 
     def options(self) -> dict:
         return {"capacity": self.capacity}
@@ -88,91 +99,126 @@ class All2AllLowLatencyDispatcher(EPDispatcher):
     def max_tokens_per_rank(self, num_tokens: int) -> int:
         return self.world * self.capacity
 
-    # ---- static tables -------------------------------------------------------
-    def _static(self, device):
-        """Device tables that depend only on the placement and the capacity (built once per device)."""
-        if device not in self._tables:
-            c, p = self.capacity, self.placement
-            first = [sum(p.local_counts[:r]) for r in range(self.world)]  # first bucket of each rank
-            bucket = [first[p.owner[e]] + p.local_id[e] for e in range(p.num_experts)]
-            bucket_expert = sorted(range(p.num_experts), key=lambda e: bucket[e])
-            base = torch.tensor(bucket, dtype=torch.long, device=device) * c
-            row_expert = torch.tensor(bucket_expert, dtype=torch.long, device=device).repeat_interleave(c)
-            e_l = self.num_local_experts
-            loc = torch.arange(e_l, device=device).view(1, e_l, 1)
-            slot = torch.arange(c, device=device).view(1, 1, c)
-            self._tables[device] = (base, row_expert, loc, slot)
-        return self._tables[device]
+    def rows_per_rank(self, bound: int | None) -> int:
+        """R: rows each rank sends each rank for a token bound (None: unknown)."""
+        deliverable = max(self.placement.local_counts) * self.capacity
+        return max(1, deliverable if bound is None else min(bound, deliverable))
 
-    def _layout(self, weights, device) -> RowLayout:
-        fields, _, _ = self._template(weights, device)
-        return RowLayout([*fields, ("hdr", torch.int32, (2,))])
+    def _extra(self, overflow: bool) -> list:
+        return [("need", torch.int32, (1,))] if overflow else []
+
+    def _batched_layout(self, rows: int) -> dict:
+        """Shapes of the batched activations (the wire's format; a per-tensor scale is shared)."""
+        tq = self.scheme.a1
+        shapes = quantized_layout("a", tq, rows, self.config.hidden_size, self.config.dtype)
+        if tq is not None and tq.granularity.kind == "tensor":
+            shapes.pop("a_scale", None)
+        return shapes
+
+    def workspace(self, num_tokens: int, num_local_experts: int) -> Workspace:
+        n = self.world * self.rows_per_rank(num_tokens)
+        b = self.declared_row_bytes(self._extra(num_tokens > self.capacity))
+        h = self.config.hidden_size
+        ws = super().workspace(num_tokens, num_local_experts)
+        ws.shapes.update(
+            rows=((num_tokens, b), torch.uint8),
+            send=((n, b), torch.uint8),
+            recv=((n, b), torch.uint8),
+            part=((n, h), self.config.dtype),
+            back=((n, h), self.config.dtype),
+        )
+        ws.shapes.update(self._batched_layout(num_local_experts * self.world * self.capacity))
+        return ws
 
     # ---- dispatch -----------------------------------------------------------
-    def dispatch(self, x, topk, weights, *, expert_map=None, a1_scale=None) -> Dispatched:
+    def dispatch(self, x, topk, weights, *, expert_map=None, a1_scale=None, workspace=None) -> Dispatched:
         self.check_inputs(x, topk, weights, expert_map, need_map=False)
         dev = x.device
         t, k = topk.ids.shape
-        c, w, e_l, e = self.capacity, self.world, self.num_local_experts, self.config.num_experts
-        base, row_expert, loc, slot_r = self._static(dev)
-        n_send, n_recv, m = e * c, w * e_l * c, w * c
-        lay = self._layout(weights, dev)
+        c, w, e_l, h = self.capacity, self.world, self.num_local_experts, self.config.hidden_size
+        m = w * c
+        bound, fits = self.token_bound(t, workspace)
+        ws = workspace if fits else None
+        r = self.rows_per_rank(bound)
+        overflow = bound is None or bound > c
         before = self.quantizes_before()
+        lay = self.row_layout(weights, dev, self._extra(overflow))
+        self.last_mode = "fixed"
 
-        # (token, k) pairs -> send rows; overflowing pairs go to the dump row n_send
-        pe = topk.ids.reshape(-1).long()
-        counts = torch.zeros(e, dtype=torch.long, device=dev).scatter_add_(0, pe, torch.ones_like(pe))
-        order = torch.sort(pe, stable=True).indices
-        starts = torch.cumsum(counts, 0) - counts
-        slot = torch.empty_like(pe).scatter_(0, order, torch.arange(pe.numel(), device=dev) - starts[pe[order]])
-        row = torch.where(slot < c, base[pe] + slot, n_send)
-        need = counts.max()
-
+        # sender: the pairs delivered, each token's send row per rank, the packed rows
+        ids = topk.ids.to(torch.int32)
+        wire = None  # every pair is delivered unless a rank may hold more than C tokens
+        if overflow:  # slot = the pair's rank among this rank's pairs of its expert, token order
+            slot, per_expert = _running_counts(ids.long(), self.config.num_experts)
+            wire = torch.where(slot <= c, ids + 1, 0)
+        dest_home, _ = self.route(ids if wire is None else wire, r, wire=wire is not None)
         x_send = x
         if not before and self.config.apply_router_weight_on_input:
             x_send = (x.float() * topk.weights.reshape(-1, 1)).to(x.dtype)  # K == 1
         a = self.quantize_rows(x, topk, weights, a1_scale) if before else None
-        tok_rows = lay.pack(lay.empty(t, dev), **self.wire_tensors(a, x_send))
-        send = lay.empty(n_send + 1, dev)
-        send[row] = tok_rows[torch.arange(t * k, device=dev) // k]
-        send = send[:n_send]
-        hdr = lay.view(send, "hdr")
-        hdr[:, 0] = counts.clamp(max=c)[row_expert].to(torch.int32)
-        hdr[:, 1] = need.to(torch.int32)
-        self.wire_bytes = (n_send * lay.row_bytes, n_recv * self.config.hidden_size * x.element_size())
-        recv = lay.empty(n_recv, dev)
-        splits_in = [n * c for n in self.placement.local_counts]
-        dist.all_to_all_single(
-            recv, send, output_split_sizes=[e_l * c] * w, input_split_sizes=splits_in, group=self.group
-        )
+        rows = take(ws, "rows", (t, lay.row_bytes), torch.uint8, dev)
+        self.pack_rows(lay, rows, a, x_send, ids if wire is None else wire, topk.weights, wire=wire is not None)
+        send = take(ws, "send", (w * r, lay.row_bytes), torch.uint8, dev).zero_()
+        scatter_rows(as_words(rows), dest_home, as_words(send))
+        if overflow:  # every row, padding too, carries this rank's largest per-expert count
+            lay.view(send, "need").copy_(per_expert.max().expand(w * r, 1))
+        recv = take(ws, "recv", (w * r, lay.row_bytes), torch.uint8, dev)
+        dist.all_to_all_single(recv, send, group=self.group)
+        self.wire_bytes = (w * r * lay.row_bytes, w * r * h * x.element_size())
 
-        # compact: (source, local expert, slot) -> row of the batched layout, or the dump row e_l * m
-        rh = lay.view(recv, "hdr").view(w, e_l, c, 2)
-        n_se = rh[:, :, 0, 0].long()
-        need_all = rh[:, :, 0, 1].max().to(torch.int32).reshape(1)
-        torch.maximum(self.needed, need_all, out=self.needed)
-        if self.raise_on_overflow and not _capturing(dev):
-            self.check_capacity(need_all)
-        off = torch.cumsum(n_se, 0) - n_se
-        dest = torch.where(slot_r < n_se.unsqueeze(-1), loc * m + off.unsqueeze(-1) + slot_r, e_l * m).reshape(-1)
-        parts = {}
-        for f in lay.fields.values():
-            if f.name == "hdr":
-                continue
-            buf = torch.zeros(e_l * m + 1, f.nbytes, dtype=torch.uint8, device=dev)
-            buf[dest] = lay.raw(recv, f.name)  # moved as bytes: index_put has no fp8 kernels everywhere
-            parts[f.name] = buf[: e_l * m].view(f.dtype).view(e_l, m, *f.shape)
-        h = self.config.hidden_size
-        if before:
-            a = self.received(parts, weights, (e_l, m, h))
-        else:
-            rows = e_l * m  # the router weight was applied at the source: quantize with weight 1
-            plain = TopK(torch.zeros(rows, k, dtype=torch.int32, device=dev), torch.ones(rows, k, device=dev))
-            q = self.quantize_rows(parts["x"].view(rows, h), plain, weights, a1_scale)
-            scale = q.scale.view(e_l, m, -1) if q.scale is not None and self._row_scales() else q.scale
-            a = QTensor(q.data.view(e_l, m, *q.data.shape[1:]), (e_l, m, h), scale=scale, global_scale=q.global_scale)
-        counts_local = n_se.sum(dim=0).to(torch.int32)
-        return Dispatched(a=a, topk=topk, counts=counts_local, num_tokens=t, ctx=(row.view(t, k), dest))
+        # receiver: slot of each local pair in the batched layout (source rank, then token order)
+        if overflow:
+            need_all = lay.view(recv, "need").max().reshape(1)
+            torch.maximum(self.needed, need_all, out=self.needed)
+            if self.raise_on_overflow and not _capturing(dev):
+                self.check_capacity(need_all)
+        key = self._table("to_local", dev)[lay.view(recv, "ids")]  # [W * R, K]; E_l: not a local pair
+        slot, counts = _running_counts(key, e_l + 1)
+        dest = self._first_slot(m, dev)[key] + slot  # negative (skipped) for pairs of no local expert
+        counts_local = counts[:e_l]
+        a = self._regroup(lay, recv, dest, weights, a1_scale, ws)
+        ctx = (dest, lay.view(recv, "w"), dest_home, ws)
+        return Dispatched(a=a, topk=topk, counts=counts_local, num_tokens=t, ctx=ctx)
+
+    def _first_slot(self, m: int, device) -> torch.Tensor:
+        """int64 [E_l + 1]: row of local expert e's slot 0 in the batched layout, minus one (slots
+        count from 1 in ``_running_counts``); a large negative number for the no-expert bin."""
+        key = ("first_slot", m, device)
+        if key not in self._tables:
+            first = torch.arange(self.num_local_experts + 1, device=device) * m - 1
+            first[-1] = -(1 << 40)
+            self._tables[key] = first
+        return self._tables[key]
+
+    def _regroup(self, lay, recv, dest, weights, a1_scale, ws) -> QTensor:
+        """The received rows' activations copied to their pairs' slots: a [E_l, M, H] (buffers
+        named as ``workspace`` declares them, in the dtypes the quantizer produced)."""
+        dev, h = recv.device, self.config.hidden_size
+        e_l, m = self.num_local_experts, self.world * self.capacity
+        rows = e_l * m
+
+        def slots(name: str, src: torch.Tensor, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+            buf = take(ws, name, (rows, *shape), dtype, dev)
+            scatter_rows(as_words(src), dest, as_words(buf.view(rows, -1)))
+            return buf.view(e_l, m, *shape)
+
+        if self.quantizes_before():
+            parts = {}
+            for name, field in (("a", "data"), ("a_scale", "scale")):
+                if field in lay:
+                    f = lay.fields[field]
+                    parts[field] = slots(name, lay.raw(recv, field), f.shape, f.dtype)
+            return self.received(parts, weights, (e_l, m, h))
+        xr = lay.view(recv, "x")
+        if self.scheme.a1 is None:
+            return QTensor(slots("a", xr, (h,), xr.dtype), (e_l, m, h))
+        # per-tensor dynamic: one scale over the received rows (padding rows are zeros); the
+        # router weight was applied at the source, so quantize with weight 1
+        n, k = xr.shape[0], self.config.top_k
+        plain = TopK(torch.zeros(n, k, dtype=torch.int32, device=dev), torch.ones(n, k, device=dev))
+        q = self.quantize_rows(xr, plain, weights, a1_scale)
+        data = slots("a", q.data, tuple(q.data.shape[1:]), q.data.dtype)
+        return QTensor(data, (e_l, m, h), scale=q.scale, global_scale=q.global_scale)
 
     def check_capacity(self, needed: torch.Tensor | None = None) -> None:
         """Raise if any (expert, source rank) needed more rows than the capacity (reads the flag: a host sync)."""
@@ -189,23 +235,26 @@ class All2AllLowLatencyDispatcher(EPDispatcher):
 
     # ---- combine -----------------------------------------------------------------
     def combine(self, y, d, out, reduce):
-        row, dest = d.ctx
+        dest, w_recv, dest_home, ws = d.ctx
         e_l, m, h = y.shape
-        n_send = self.config.num_experts * self.capacity
-        back_send = y.reshape(e_l * m, h).index_select(0, dest.clamp(max=e_l * m - 1))
-        back = torch.empty(n_send + 1, h, dtype=y.dtype, device=y.device)
-        back[n_send].zero_()
-        splits = [n * self.capacity for n in self.placement.local_counts]
-        dist.all_to_all_single(
-            back[:n_send],
-            back_send,
-            output_split_sizes=splits,
-            input_split_sizes=[e_l * self.capacity] * self.world,
-            group=self.group,
-        )
+        n = dest.shape[0]
         weighted = reduce is WeightedReduce.WEIGHT_AND_SUM and not self.config.apply_router_weight_on_input
-        acc = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
-        for j in range(row.shape[1]):
-            part = back.index_select(0, row[:, j]).float()
-            acc += part * d.topk.weights[:, j : j + 1].float() if weighted else part
-        out.copy_(acc)
+        part = take(ws, "part", (n, h), y.dtype, y.device)
+        gather_sum(y.reshape(e_l * m, h), dest, part, w_recv if weighted else None)
+        back = take(ws, "back", (n, h), y.dtype, y.device)
+        dist.all_to_all_single(back, part, group=self.group)
+        gather_sum(back, dest_home, out)
+
+
+def _running_counts(keys: torch.Tensor, bins: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(c, total): c[n, j] = rows n' <= n holding key keys[n, j] (int32 [N, J]), total int32 [bins].
+
+    Each key appears at most once per row, except keys whose count is not used (a token picks
+    an expert once; received rows repeat only the no-expert bin). A one-hot [N, bins] and its
+    cumulative sum: 4 kernels, ranks in row order (deterministic), no sort.
+    """
+    n = keys.shape[0]
+    hot = torch.zeros(n, bins, dtype=torch.int32, device=keys.device).scatter_(1, keys, 1)
+    cs = hot.cumsum(0, dtype=torch.int32)
+    total = cs[-1] if n else torch.zeros(bins, dtype=torch.int32, device=keys.device)
+    return cs.gather(1, keys), total

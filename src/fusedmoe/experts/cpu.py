@@ -9,6 +9,15 @@ it visits only the experts hit, gathers once and scatters once.
 
 Numerics: GEMMs in the model dtype (bf16 on CPU accumulates in fp32), the
 weighted sum over K in fp32, one rounding to the model dtype at the end.
+
+Deterministic mode (``deterministic``; ``FUSEDMOE_DETERMINISTIC=1`` when built): every
+GEMM runs over fixed tiles of 16 rows, the last one zero-padded, so a token's output
+does not depend on how many other rows its expert got. fp32 GEMMs are MKL sgemm,
+whose result for a row changes with the number of rows in the call (1 row vs 2+: 5e-7
+relative); with every call 16 rows, each row meets the same kernel. bf16/fp16 (oneDNN)
+were batch-invariant already; they are tiled too, so the guarantee does not rest on
+that. The sum over K is in expert order whatever the batch (``index_add_`` of the
+expert-sorted pairs).
 """
 
 from __future__ import annotations
@@ -16,8 +25,23 @@ from __future__ import annotations
 import torch
 
 from ..activations import apply_activation
+from ..kernel import deterministic_from_env
 from ..quant import dequantize, fake_quantize
 from .base import ALL_SCHEMES, Capabilities, Experts, TokenLayout, WeightedReduce
+
+# Rows per GEMM call in deterministic mode: MKL sgemm measured batch-invariant over fixed
+# 8/16/32-row calls (every [i:j] slice of 40 rows, 2 threads); 16 pads a lone decode token
+# 16x, a cost only this mode pays.
+DETERMINISTIC_ROWS = 16
+
+
+def _tiled_mm(a: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
+    """a @ w_t in calls of exactly ``DETERMINISTIC_ROWS`` rows (the last tile zero-padded)."""
+    m = a.shape[0]
+    pad = -m % DETERMINISTIC_ROWS
+    if pad:
+        a = torch.cat([a, a.new_zeros(pad, a.shape[1])])
+    return torch.cat([t @ w_t for t in a.split(DETERMINISTIC_ROWS)])[:m]
 
 
 class CpuExperts(Experts):
@@ -31,6 +55,15 @@ class CpuExperts(Experts):
         note="PyTorch grouped per expert in the model dtype; weights dequantized per expert",
         seed_names=("cpu_fused_moe",),
     )
+    # batch-invariant GEMMs (see the module docstring); MoEKernel(deterministic=...) sets it too
+    deterministic: bool = False
+
+    def __init__(self, config, scheme) -> None:
+        super().__init__(config, scheme)
+        self.deterministic = deterministic_from_env()
+
+    def _mm(self, a: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
+        return _tiled_mm(a, w_t) if self.deterministic else a @ w_t
 
     def _expert_weight(self, q, tq, e, dtype):
         if tq is None:
@@ -60,14 +93,14 @@ class CpuExperts(Experts):
                     spans.append((e, start, start + c))
                     start += c
             for e, s0, s1 in spans:
-                h = xs[s0:s1] @ self._expert_weight(weights.w13, sch.w1, e, dt).T
+                h = self._mm(xs[s0:s1], self._expert_weight(weights.w13, sch.w1, e, dt).T)
                 if weights.b13 is not None:
                     h = h + weights.b13[e].to(dt)
                 inter[s0:s1] = apply_activation(h, cfg)
             inter = fake_quantize(inter, sch.a2, dt, **weights.act_scales("a2", sch.a2))
             y = torch.empty(order.numel(), cfg.hidden_size, dtype=torch.float32)
             for e, s0, s1 in spans:
-                ye = inter[s0:s1] @ self._expert_weight(weights.w2, sch.w2, e, dt).T
+                ye = self._mm(inter[s0:s1], self._expert_weight(weights.w2, sch.w2, e, dt).T)
                 if weights.b2 is not None:
                     ye = ye + weights.b2[e].to(dt)
                 y[s0:s1] = ye.float()
@@ -103,11 +136,11 @@ class LoopExperts(CpuExperts):
         local = expert_map.long()[ids] if expert_map is not None else ids
         for e in range(weights.num_experts):
             tok, kk = torch.where(local == e)
-            h = x[tok] @ self._expert_weight(weights.w13, sch.w1, e, dt).T
+            h = self._mm(x[tok], self._expert_weight(weights.w13, sch.w1, e, dt).T)
             if weights.b13 is not None:
                 h = h + weights.b13[e].to(dt)
             inter = fake_quantize(apply_activation(h, cfg), sch.a2, dt, **weights.act_scales("a2", sch.a2))
-            y = inter @ self._expert_weight(weights.w2, sch.w2, e, dt).T
+            y = self._mm(inter, self._expert_weight(weights.w2, sch.w2, e, dt).T)
             if weights.b2 is not None:
                 y = y + weights.b2[e].to(dt)
             y = y.float()

@@ -8,17 +8,30 @@ Standard layout, per call (T tokens, K top-k, E_l local experts)::
     grouped_gemm #2    y = a2 @ W2[e]^T (+ b2) * w[t,k]    [T*K, H]           (1 launch)
     moe_sum            out[t] = sum_k y[t, k]              [T, H]             (1 launch)
 
-Workspace (``workspace``, declared from the shapes): h [T*K, 2I] and y [T*K, H] in
-the model dtype, a2 [T*K, I] quantized as scheme.a2 (plus its row scales);
+Fused activation (the default wherever a2's scale is known before its values: a2 not
+quantized, or static per-tensor fp8/int8): GEMM1 applies the activation (and Q_a2) in
+its epilogue and writes a2 [T*K, I] directly (``grouped_gemm(act=ActEpilogue)``), so h
+never exists: one launch fewer (two with an expert map or the batched layout, whose h
+is zero-filled first), and no write + read of h (T*K x 2I in the model dtype; batched:
+E_l*M x 2I). Dynamic a2 scales (per token, group, MX/NV blocks, per-tensor dynamic)
+need the whole row or tensor first and keep act_and_quantize.
+``FUSEDMOE_FUSE_ACT=0`` (read when the experts are built) or ``experts.fuse_act = False``
+turns the fusion off, for comparison. The fused GEMM1 takes the plain GEMM1's launch
+config with BN halved (``gated_act_config``), so a program reads the same W13 rows.
+
+Workspace (``workspace``, declared from the shapes): h [T*K, 2I] (unfused only) and y
+[T*K, H] in the model dtype, a2 [T*K, I] quantized as scheme.a2 (plus its row scales);
 ``MoEKernel`` chunking bounds T. Given a workspace (``MoEKernel.allocate``), ``apply``
 writes into it and allocates none of these. Batched layout: the same two GEMMs over
 [E_l, M, .] with per-expert counts read by the kernel (no align, no sum: combine
-weights and scatters); its workspace is h and a2 for E_l * M rows.
+weights and scatters); its workspace is h (unfused only) and a2 for E_l * M rows.
 
-Rows that no local pair writes (pairs of experts mapped to -1, rows past the
+Unfused, rows that no local pair writes (pairs of experts mapped to -1, rows past the
 counts) are zero-filled before the activation so a per-tensor dynamic a2 scale
 never sees uninitialised memory (zeros leave an abs-max unchanged). With a
 reused workspace this matters more: such rows hold the previous call's values.
+Fused, such rows of a2 are never written and never read (GEMM2 reads the rows of
+local pairs only, ``moe_sum`` skips the others).
 
 Deterministic mode (``deterministic``; ``FUSEDMOE_DETERMINISTIC=1`` when built): the
 launch config no longer depends on the token count (``pick_launch_config``), so every
@@ -30,20 +43,29 @@ per-tensor dynamic scale) and there is no split-K.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..kernel import deterministic_from_env, quantized_layout, take
 from ..kernels._common import interpreting
 from ..kernels.act_quant import act_and_quantize
 from ..kernels.align import moe_align
-from ..kernels.grouped_gemm import grouped_gemm, grouped_gemm_batched, scheme_key
-from ..kernels.launch_config import pick_launch_config
+from ..kernels.grouped_gemm import ActEpilogue, grouped_gemm, grouped_gemm_batched, scheme_key
+from ..kernels.launch_config import gated_act_config, pick_launch_config
 from ..kernels.moe_sum import moe_sum
 from ..quant import QTensor
 from .base import ALL_SCHEMES, Capabilities, Experts, TokenLayout, WeightedReduce, Workspace
 
 # Under the interpreter the kernels also run on the CPU (CI checks them there).
 _PLATFORMS = frozenset({"cuda"} | ({"cpu"} if interpreting() else set()))
+
+FUSE_ACT_ENV = "FUSEDMOE_FUSE_ACT"
+
+
+def fuse_act_from_env() -> bool:
+    """False when ``FUSEDMOE_FUSE_ACT=0`` (read when the experts are built); default on."""
+    return os.environ.get(FUSE_ACT_ENV, "1") != "0"
 
 
 def _needs_native_fp8(scheme) -> bool:
@@ -73,10 +95,18 @@ class _TritonBase(Experts):
     # Deterministic mode: launch configs chosen without looking at the token count
     # (see the module docstring). MoEKernel(deterministic=...) sets it too.
     deterministic: bool = False
+    # GEMM1 applies the activation in its epilogue where the scheme allows (module docstring).
+    fuse_act: bool = True
 
     def __init__(self, config, scheme) -> None:
         super().__init__(config, scheme)
         self.deterministic = deterministic_from_env()
+        self.fuse_act = fuse_act_from_env()
+        self._epilogue = ActEpilogue.of(config, scheme.a2) if ActEpilogue.supports(scheme.a2) else None
+
+    def act_epilogue(self) -> ActEpilogue | None:
+        """GEMM1's fused activation, or None: GEMM1 writes h and act_and_quantize follows."""
+        return self._epilogue if self.fuse_act else None
 
     @classmethod
     def extra_checks(cls, config, scheme, platform):
@@ -87,9 +117,35 @@ class _TritonBase(Experts):
     def _launch_config(self, rows: int, e_l: int, n: int, k: int, w_quant, a_quant):
         return pick_launch_config(rows, e_l, n, k, scheme_key(w_quant, a_quant), deterministic=self.deterministic)
 
+    def _gemm1_config(self, lc, ep: ActEpilogue | None):
+        """GEMM1's launch config: with a gated fused activation BN counts output columns."""
+        return gated_act_config(lc) if ep is not None and ep.activation.is_gated else lc
+
+    def _gemm1_act(self, a, weights, ep: ActEpilogue, rows: int, workspace, gemm, **kw) -> QTensor:
+        """a2 [rows, I] straight from GEMM1 (``gemm`` is the standard or batched op)."""
+        cfg, sch = self.config, self.scheme
+        i = cfg.intermediate_size
+        scale = weights.act_scales("a2", sch.a2).get("scale") if ep.quant is not None else None
+        data = take(workspace, "a2", (rows, i), ep.out_dtype(cfg.dtype), a.data.device)
+        out = data if a.data.dim() == 2 else data.view(*a.data.shape[:2], i)  # batched: [E_l, M, I]
+        gemm(
+            a.data,
+            weights.w13,
+            w_quant=sch.w1,
+            a_quant=sch.a1,
+            a_scale=a.scale,
+            a_global_scale=a.global_scale,
+            bias=weights.b13,
+            out=out,
+            act=ep,
+            act_scale=scale,
+            **kw,
+        )
+        return QTensor(data, (rows, i), scale=None if scale is None else scale.reshape(1, 1).float())
+
     def _workspace(self, rows: int) -> Workspace:
         c = self.config
-        shapes = {"h": ((rows, c.w13_rows), c.dtype)}
+        shapes = {} if self.act_epilogue() is not None else {"h": ((rows, c.w13_rows), c.dtype)}
         shapes.update(quantized_layout("a2", self.scheme.a2, rows, c.intermediate_size, c.dtype))
         return Workspace(shapes)
 
@@ -125,25 +181,30 @@ class TritonExperts(_TritonBase):
         lc = self._launch_config(pairs, e_l, cfg.w13_rows, cfg.hidden_size, sch.w1, sch.a1)
         ids = topk.ids.to(torch.int32)  # the align kernel takes int32; routers may give int64
         routing = moe_align(ids, e_l, lc.block_m, expert_map)
-        h = take(workspace, "h", (pairs, cfg.w13_rows), cfg.dtype, dev)
-        if expert_map is not None:
-            h.zero_()
-        grouped_gemm(
-            a.data,
-            weights.w13,
-            routing,
-            w_quant=sch.w1,
-            a_quant=sch.a1,
-            a_scale=a.scale,
-            a_global_scale=a.global_scale,
-            bias=weights.b13,
-            a_div=k,
-            out=h,
-            config=lc,
-        )
-        a2_out = _a2_out(workspace, sch.a2, pairs, cfg.intermediate_size, dev)
-        a2 = act_and_quantize(h, cfg, sch.a2, out=a2_out, **weights.act_scales("a2", sch.a2))
-        a2 = a2 if isinstance(a2, QTensor) else QTensor(a2, tuple(a2.shape))
+        ep = self.act_epilogue()
+        if ep is not None:
+            lc1 = self._gemm1_config(lc, ep)
+            a2 = self._gemm1_act(a, weights, ep, pairs, workspace, grouped_gemm, routing=routing, a_div=k, config=lc1)
+        else:
+            h = take(workspace, "h", (pairs, cfg.w13_rows), cfg.dtype, dev)
+            if expert_map is not None:
+                h.zero_()
+            grouped_gemm(
+                a.data,
+                weights.w13,
+                routing,
+                w_quant=sch.w1,
+                a_quant=sch.a1,
+                a_scale=a.scale,
+                a_global_scale=a.global_scale,
+                bias=weights.b13,
+                a_div=k,
+                out=h,
+                config=lc,
+            )
+            a2_out = _a2_out(workspace, sch.a2, pairs, cfg.intermediate_size, dev)
+            a2 = act_and_quantize(h, cfg, sch.a2, out=a2_out, **weights.act_scales("a2", sch.a2))
+            a2 = a2 if isinstance(a2, QTensor) else QTensor(a2, tuple(a2.shape))
         y = take(workspace, "y", (pairs, cfg.hidden_size), cfg.dtype, dev)
         lc2 = self._launch_config(pairs, e_l, cfg.hidden_size, cfg.intermediate_size, sch.w2, sch.a2)
         grouped_gemm(
@@ -185,21 +246,27 @@ class TritonBatchedExperts(_TritonBase):
         e_l, m = a.shape[0], a.shape[1]
         dev = a.data.device
         rows = e_l * m
-        h = take(workspace, "h", (rows, cfg.w13_rows), cfg.dtype, dev).zero_()
-        grouped_gemm_batched(
-            a.data,
-            weights.w13,
-            counts,
-            w_quant=sch.w1,
-            a_quant=sch.a1,
-            a_scale=a.scale,
-            a_global_scale=a.global_scale,
-            bias=weights.b13,
-            out=h.view(e_l, m, -1),
-            config=self._launch_config(rows, e_l, cfg.w13_rows, cfg.hidden_size, sch.w1, sch.a1),
-        )
-        a2_out = _a2_out(workspace, sch.a2, rows, cfg.intermediate_size, dev)
-        a2 = act_and_quantize(h, cfg, sch.a2, out=a2_out, **weights.act_scales("a2", sch.a2))
+        lc = self._launch_config(rows, e_l, cfg.w13_rows, cfg.hidden_size, sch.w1, sch.a1)
+        ep = self.act_epilogue()
+        if ep is not None:
+            lc1 = self._gemm1_config(lc, ep)
+            a2 = self._gemm1_act(a, weights, ep, rows, workspace, grouped_gemm_batched, counts=counts, config=lc1)
+        else:
+            h = take(workspace, "h", (rows, cfg.w13_rows), cfg.dtype, dev).zero_()
+            grouped_gemm_batched(
+                a.data,
+                weights.w13,
+                counts,
+                w_quant=sch.w1,
+                a_quant=sch.a1,
+                a_scale=a.scale,
+                a_global_scale=a.global_scale,
+                bias=weights.b13,
+                out=h.view(e_l, m, -1),
+                config=lc,
+            )
+            a2_out = _a2_out(workspace, sch.a2, rows, cfg.intermediate_size, dev)
+            a2 = act_and_quantize(h, cfg, sch.a2, out=a2_out, **weights.act_scales("a2", sch.a2))
         if isinstance(a2, QTensor):
             row_scale = a2.scale is not None and a2.scale.shape[0] == rows
             data = a2.data.view(e_l, m, -1)

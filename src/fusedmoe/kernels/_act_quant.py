@@ -11,6 +11,15 @@ Per-tensor dynamic scales take two launches over the same grid (CUDA-graph safe:
 a memset, two kernels, no host sync): PASS 1 folds each tile's amax into one fp32
 with ``atomic_max``, PASS 2 reads it and quantizes.
 
+NaN policy (``fusedmoe.quant``'s): a NaN makes the fp8/int8 scale it shares NaN (only an
+all-zero amax gives 1) and the nvfp4 block scale NaN, so what shares that scale dequantizes
+to NaN instead of being quantized with a made-up scale; an mxfp8 NaN stays a NaN element
+(scale code 127). So the abs-maxes here are integer maxes of the fp32 bits with the sign
+cleared (``_abs_bits``): for |v| integer order is float order and every NaN sorts above
++inf, whereas a float max drops NaN (``tl.max`` is maxnum on the GPU; a float
+``atomic_max`` keeps a NaN only as far as its lowering splits on the sign bit, and older
+Triton versions split on ``val >= 0``, which a NaN fails).
+
 Under the interpreter (EXACT_CAST) fp32 -> e4m3 and fp32 -> bf16 are encoded by
 hand with integer arithmetic, because the interpreter's casts truncate or drop
 mantissa carries; on the GPU the hardware conversions (round to nearest even,
@@ -22,33 +31,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-FP8_MAX: tl.constexpr = tl.constexpr(448.0)
-INT8_MAX: tl.constexpr = tl.constexpr(127.0)
-
-
-@triton.jit
-def _round_half_even(y):
-    """round(y) with ties to even, as torch.round (exact for |y| < 2^22)."""
-    f = tl.floor(y)
-    d = y - f
-    odd = (f - 2.0 * tl.floor(f * 0.5)) != 0.0
-    return f + tl.where((d > 0.5) | ((d == 0.5) & odd), 1.0, 0.0)
-
-
-@triton.jit
-def _e4m3_bits(y, EXACT_CAST: tl.constexpr):
-    """e4m3fn byte (uint8) of y in [-448, 448], rounded to nearest even."""
-    if EXACT_CAST:
-        a = tl.abs(y)
-        bits = a.to(tl.int32, bitcast=True)
-        r = bits + 0x7FFFF + ((bits >> 20) & 1)  # round the fp32 mantissa to 3 bits
-        normal = (((r >> 23) - 120) << 3) | ((r >> 20) & 7)  # rebias exponent 127 -> 7
-        sub = _round_half_even(a * 512.0).to(tl.int32)  # below 2^-6: multiples of 2^-9
-        code = tl.where(a < 0.015625, sub, normal)
-        sign = (y.to(tl.int32, bitcast=True) >> 31) & 1
-        return (code | (sign << 7)).to(tl.uint8)
-    else:
-        return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+# The element-wise activation and fp8/int8 encoding live in _common (GEMM1's fused epilogue
+# applies the same math); the underscored names are kept for this file's callers.
+from ._common import FP8_MAX, INT8_MAX, apply_act
+from ._common import e4m3_bits as _e4m3_bits
+from ._common import quant_linear as _quant_linear
 
 
 @triton.jit
@@ -78,14 +65,7 @@ def _activation(x_ptr, rows, cols, mask, stride_xm, I, alpha, limit, ACT: tl.con
     base = x_ptr + rows[:, None].to(tl.int64) * stride_xm
     if ACT == "none" or ACT == "silu_no_mul" or ACT == "gelu_no_mul" or ACT == "relu2_no_mul":
         h = tl.load(base + cols[None, :], mask=mask, other=0).to(tl.float32)
-        if ACT == "silu_no_mul":
-            h = h * tl.sigmoid(h)
-        elif ACT == "gelu_no_mul":
-            h = 0.5 * h * (1.0 + tl.erf(h * 0.7071067811865476))
-        elif ACT == "relu2_no_mul":
-            h = tl.maximum(h, 0.0)
-            h = h * h
-        return h
+        return apply_act(h, h, alpha, limit, ACT)
     else:
         if INTERLEAVED:
             g_off, u_off = 2 * cols, 2 * cols + 1
@@ -93,36 +73,20 @@ def _activation(x_ptr, rows, cols, mask, stride_xm, I, alpha, limit, ACT: tl.con
             g_off, u_off = cols, I + cols
         gate = tl.load(base + g_off[None, :], mask=mask, other=0).to(tl.float32)
         up = tl.load(base + u_off[None, :], mask=mask, other=0).to(tl.float32)
-        if ACT == "silu":
-            out = gate * tl.sigmoid(gate) * up
-        elif ACT == "gelu":
-            out = 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476)) * up
-        elif ACT == "gelu_tanh":
-            z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
-            z = tl.minimum(tl.maximum(z, -15.0), 15.0)  # tanh(15) is 1 in fp32; avoids exp overflow
-            out = 0.5 * gate * (2.0 * tl.sigmoid(2.0 * z)) * up  # 1 + tanh(z) = 2 sigmoid(2z)
-        else:  # swigluoai
-            gate = tl.minimum(gate, limit)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-            out = (up + 1.0) * gate * tl.sigmoid(alpha * gate)
-        return out
+        return apply_act(gate, up, alpha, limit, ACT)
 
 
 @triton.jit
-def _quant_linear(v, s, QUANT: tl.constexpr, EXACT_CAST: tl.constexpr):
-    """fp8 (as uint8 bytes) or int8 codes of v / s (quant.linear)."""
-    y = tl.math.div_rn(v, s)
-    if QUANT == "fp8":
-        return _e4m3_bits(tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX), EXACT_CAST)
-    else:
-        return tl.minimum(tl.maximum(_round_half_even(y), -INT8_MAX - 1.0), INT8_MAX).to(tl.int8)
+def _abs_bits(v):
+    """int32 bits of |v| (fp32): their integer max is the abs-max with NaN kept (module docstring)."""
+    return v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
 
 
 @triton.jit
 def _scale_of(amax, QUANT: tl.constexpr):
-    """amax / QMAX with IEEE division (as quant.linear divides), 1 where amax is 0."""
+    """amax / QMAX with IEEE division (as quant.linear divides): 1 where amax is 0, NaN where it is NaN."""
     qmax = FP8_MAX if QUANT == "fp8" else INT8_MAX
-    return tl.where(amax > 0, tl.math.div_rn(amax, tl.zeros_like(amax) + qmax), 1.0)
+    return tl.where(amax == 0, 1.0, tl.math.div_rn(amax, tl.zeros_like(amax) + qmax))
 
 
 @triton.jit
@@ -157,13 +121,13 @@ def _act_quant_kernel(
     s_row = s_ptr + rows.to(tl.int64) * stride_sm
 
     if SCALE == "token":
-        amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+        amax = tl.zeros([BLOCK_M], dtype=tl.int32)  # _abs_bits
         for k0 in range(0, I, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             mask = row_ok[:, None] & (cols < I)[None, :]
             v = _activation(x_ptr, rows, cols, mask, stride_xm, I, alpha, limit, ACT, INTERLEAVED)
-            amax = tl.maximum(amax, tl.max(tl.where(mask, tl.abs(v), 0.0), axis=1))
-        s = _scale_of(amax, QUANT)
+            amax = tl.maximum(amax, tl.max(tl.where(mask, _abs_bits(v), 0), axis=1))
+        s = _scale_of(amax.to(tl.float32, bitcast=True), QUANT)
         tl.store(s_row, s, mask=row_ok)
         for k0 in range(0, I, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
@@ -177,8 +141,10 @@ def _act_quant_kernel(
         if QUANT == "none":
             _store_float(q_row + cols[None, :], v, mask, EXACT_CAST)
         elif SCALE == "tensor_dyn" and PASS == 1:
-            # max is order-independent, so the atomic leaves a deterministic result
-            tl.atomic_max(amax_ptr, tl.max(tl.max(tl.where(mask, tl.abs(v), 0.0), axis=1), axis=0))
+            # max is order-independent, so the atomic leaves a deterministic result; an integer
+            # one, of _abs_bits, so that a NaN is kept
+            tile = tl.max(tl.max(tl.where(mask, _abs_bits(v), 0), axis=1), axis=0)
+            tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), tile)
         elif SCALE == "tensor_dyn" or SCALE == "tensor_static":
             if SCALE == "tensor_static":
                 s = tl.load(s_ptr)
@@ -191,7 +157,7 @@ def _act_quant_kernel(
             # 1 x GROUP groups; BLOCK_K is a multiple of GROUP, so a tile holds whole groups.
             NG: tl.constexpr = BLOCK_K // GROUP
             v3 = tl.reshape(tl.where(mask, v, 0.0), [BLOCK_M, NG, GROUP])
-            amax = tl.max(tl.abs(v3), axis=2)
+            amax = tl.max(_abs_bits(v3), axis=2).to(tl.float32, bitcast=True)
             gcols = pid_k * NG + tl.arange(0, NG)
             s_mask = row_ok[:, None] & (gcols < tl.cdiv(I, GROUP))[None, :]
             s_ptrs = s_row[:, None] + gcols[None, :]
@@ -202,18 +168,20 @@ def _act_quant_kernel(
                 tl.store(q_row + cols[None, :], q, mask=mask)
             elif QUANT == "mxfp8":
                 # e8m0 code of 2^(floor(log2 amax) - 8); floor(log2) is amax's exponent field
-                # (a subnormal amax clamps to code 0, as frexp's exponent would); 0 -> 127.
+                # (a subnormal amax clamps to code 0, as frexp's exponent would); 0 and NaN -> 127.
                 e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127 - 8
                 code = tl.where(amax > 0, tl.minimum(tl.maximum(e, -127), 127) + 127, 127)
                 tl.store(s_ptrs, code.to(tl.uint8), mask=s_mask)
                 inv = ((254 - code) << 23).to(tl.float32, bitcast=True)  # 2^(127 - code), exact
-                y = tl.minimum(tl.maximum(v3 * inv[:, :, None], -FP8_MAX), FP8_MAX)
+                y = tl.maximum(v3 * inv[:, :, None], -FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+                y = tl.minimum(y, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)  # NaN stays NaN
                 q = tl.reshape(_e4m3_bits(y, EXACT_CAST), [BLOCK_M, BLOCK_K])
                 tl.store(q_row + cols[None, :], q, mask=mask)
             else:  # nvfp4: e4m3 block scale over a given fp32 global scale, e2m1 codes
                 gs = tl.load(gs_ptr)
                 sb = tl.math.div_rn(amax, tl.zeros_like(amax) + 6.0 * gs)
-                sb_bits = _e4m3_bits(tl.minimum(sb, 448.0), EXACT_CAST)
+                # a NaN block scale stays NaN (torch's clamp), and its block's codes are 0
+                sb_bits = _e4m3_bits(tl.minimum(sb, 448.0, propagate_nan=tl.PropagateNan.ALL), EXACT_CAST)
                 tl.store(s_ptrs, sb_bits, mask=s_mask)
                 d = sb_bits.to(tl.float8e4nv, bitcast=True).to(tl.float32) * gs
                 d3 = tl.zeros_like(v3) + d[:, :, None]

@@ -1,4 +1,6 @@
-"""Helpers shared by the kernel families: where kernels run, and jit decode/encode helpers."""
+"""Helpers shared by the kernel families: where kernels run, jit decode/encode helpers, and the
+element-wise activation and linear quantization that the activation kernel and GEMM1's fused
+epilogue both apply."""
 
 from __future__ import annotations
 
@@ -46,3 +48,80 @@ def e8m0_to_f32(s):
     s = 0 (2^-127, below float32's normal range) gives 0, as a GPU flushing subnormals would.
     """
     return (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+
+
+# ---- jit helpers: element-wise math shared by the activation kernel and GEMM1's epilogue ----
+
+FP8_MAX: tl.constexpr = tl.constexpr(448.0)
+INT8_MAX: tl.constexpr = tl.constexpr(127.0)
+
+
+@triton.jit
+def apply_act(gate, up, alpha, limit, ACT: tl.constexpr):
+    """fp32 activation (``fusedmoe.activations``) of GEMM1's output: gated ones combine
+    ``gate`` and ``up``; "none" and the ``*_no_mul`` ones map ``gate`` alone (``up`` unused)."""
+    if ACT == "none":
+        return gate
+    elif ACT == "silu_no_mul":
+        return gate * tl.sigmoid(gate)
+    elif ACT == "gelu_no_mul":
+        return 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476))
+    elif ACT == "relu2_no_mul":
+        h = tl.maximum(gate, 0.0)
+        return h * h
+    elif ACT == "silu":
+        return gate * tl.sigmoid(gate) * up
+    elif ACT == "gelu":
+        return 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476)) * up
+    elif ACT == "gelu_tanh":
+        z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        z = tl.minimum(tl.maximum(z, -15.0), 15.0)  # tanh(15) is 1 in fp32; avoids exp overflow
+        return 0.5 * gate * (2.0 * tl.sigmoid(2.0 * z)) * up  # 1 + tanh(z) = 2 sigmoid(2z)
+    else:  # swigluoai
+        g = tl.minimum(gate, limit)
+        u = tl.minimum(tl.maximum(up, -limit), limit)
+        return (u + 1.0) * g * tl.sigmoid(alpha * g)
+
+
+@triton.jit
+def round_half_even(y):
+    """round(y) with ties to even, as torch.round (exact for |y| < 2^22)."""
+    f = tl.floor(y)
+    d = y - f
+    odd = (f - 2.0 * tl.floor(f * 0.5)) != 0.0
+    return f + tl.where((d > 0.5) | ((d == 0.5) & odd), 1.0, 0.0)
+
+
+@triton.jit
+def e4m3_bits(y, EXACT_CAST: tl.constexpr):
+    """e4m3fn byte (uint8) of y in [-448, 448], rounded to nearest even.
+
+    EXACT_CAST (the interpreter, whose fp32 -> e4m3 cast drops mantissa carries) encodes
+    by hand with integer arithmetic; the GPU's conversion gives the same bytes.
+    """
+    if EXACT_CAST:
+        a = tl.abs(y)
+        bits = a.to(tl.int32, bitcast=True)
+        r = bits + 0x7FFFF + ((bits >> 20) & 1)  # round the fp32 mantissa to 3 bits
+        normal = (((r >> 23) - 120) << 3) | ((r >> 20) & 7)  # rebias exponent 127 -> 7
+        sub = round_half_even(a * 512.0).to(tl.int32)  # below 2^-6: multiples of 2^-9
+        code = tl.where(a < 0.015625, sub, normal)
+        code = tl.where(a != a, 0x7F, code)  # NaN (signed, as torch's cast)
+        sign = (y.to(tl.int32, bitcast=True) >> 31) & 1
+        return (code | (sign << 7)).to(tl.uint8)
+    else:
+        return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+
+
+@triton.jit
+def quant_linear(v, s, QUANT: tl.constexpr, EXACT_CAST: tl.constexpr):
+    """fp8 (as uint8 bytes) or int8 codes of v / s (``quant.linear``: IEEE division, then
+    saturate; int8 rounds half to even). NaN stays NaN in fp8 and is 0 in int8, as torch's
+    casts give (a plain min/max clamp is maxnum on the GPU: it would give -448 or -128)."""
+    y = tl.math.div_rn(v, s)
+    if QUANT == "fp8":
+        y = tl.maximum(y, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+        return e4m3_bits(tl.minimum(y, FP8_MAX, propagate_nan=tl.PropagateNan.ALL), EXACT_CAST)
+    else:
+        r = tl.minimum(tl.maximum(round_half_even(y), -INT8_MAX - 1.0), INT8_MAX)
+        return tl.where(y != y, 0.0, r).to(tl.int8)

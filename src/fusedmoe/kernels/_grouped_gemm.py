@@ -24,6 +24,17 @@ Operands meet the tensor cores in one of two ways (constexpr ``NATIVE``):
   (int4, 16 tokens, E 64, N 1536, K 2048 on an H100: 1411 vs 82 us).
 
 Then bias, then the router weight, then one store in C's dtype.
+
+GEMM1 with the activation in its epilogue (constexpr ``ACT``, ``grouped_gemm(act=...)``):
+C is the [M, I] activation output and BN counts its columns. For a gated activation
+the program multiplies the same A tile by the gate rows and the up rows of W13 that
+output columns n feed (n and I + n, or 2n and 2n + 1 when interleaved) into two
+accumulators, finishes each (scales, bias), applies the activation in fp32 (the same
+``_common.apply_act`` as the activation kernel), then the router weight, then stores C
+in the model dtype or quantized with a static per-tensor scale (``OUT_QUANT``). The
+[M, 2I] intermediate never reaches memory, so it is never rounded to the model dtype
+either: the unfused path rounds it once, the fused one does not (closer to the float64
+reference by that rounding).
 """
 
 from __future__ import annotations
@@ -31,7 +42,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import e2m1_to_f32, e8m0_to_f32, unpack_nibbles
+from ._common import apply_act, e2m1_to_f32, e8m0_to_f32, quant_linear, unpack_nibbles
 
 
 @triton.jit
@@ -75,6 +86,164 @@ def _k_scales(
 
 
 @triton.jit
+def _w_tile(
+    w_base,
+    ws_base,
+    wz_base,
+    g_base,
+    cols,
+    col_ok,
+    k0,
+    offs_k,
+    k_ok,
+    KD,
+    stride_wn,
+    stride_wk,
+    stride_wsn,
+    stride_wsk,
+    stride_gk,
+    W_FMT: tl.constexpr,
+    W_BN: tl.constexpr,
+    W_BK: tl.constexpr,
+    ACT_ORDER: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    NATIVE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """The [BK, BN] dot operand of W[e] rows ``cols`` (W stored [N, K]) at K step k0: the
+    stored bytes (NATIVE) or the values dequantized to DOT_DTYPE with per-K scales folded in."""
+    W_PACKED: tl.constexpr = W_FMT == "int4" or W_FMT == "mxfp4" or W_FMT == "nvfp4"
+    if NATIVE or W_FMT == "float":
+        b = tl.load(
+            w_base + offs_k[:, None] * stride_wk + cols[None, :] * stride_wn,
+            mask=k_ok[:, None] & col_ok[None, :],
+            other=0,
+        )
+        if W_FMT == "fp8":
+            b = b.to(tl.float8e4nv, bitcast=True)
+        if not NATIVE:
+            b = b.to(DOT_DTYPE)
+    else:
+        # Dequantized as stored, [BN, BK] with K contiguous (vector loads of whole bytes),
+        # then transposed for the dot.
+        w_rows = w_base + cols * stride_wn
+        if W_PACKED:
+            wt = unpack_nibbles(w_rows, col_ok, k0, KD, stride_wk, BLOCK_N, BLOCK_K)
+            if W_FMT == "int4":
+                wt = wt.to(tl.float32)
+            else:
+                wt = e2m1_to_f32(wt)
+        else:
+            wt = tl.load(w_rows[:, None] + offs_k[None, :] * stride_wk, mask=col_ok[:, None] & k_ok[None, :], other=0)
+            if W_FMT == "fp8":
+                wt = wt.to(tl.float8e4nv, bitcast=True)
+            wt = wt.to(tl.float32)
+        if W_BK > 0:
+            ws_rows = ws_base + (cols // W_BN) * stride_wsn
+            wz_rows = wz_base + (cols // W_BN) * stride_wsn
+            if ACT_ORDER:
+                gk = tl.load(g_base + offs_k * stride_gk, mask=k_ok, other=0)
+                g_mask = col_ok[:, None] & k_ok[None, :]
+                s_w = _decode_scale(tl.load(ws_rows[:, None] + gk[None, :] * stride_wsk, mask=g_mask, other=0), W_FMT)
+                if HAS_ZERO:
+                    wt -= tl.load(wz_rows[:, None] + gk[None, :] * stride_wsk, mask=g_mask, other=0).to(tl.float32)
+            else:
+                s_w = _k_scales(ws_rows, col_ok, k0, KD, stride_wsk, W_FMT, W_BK, BLOCK_N, BLOCK_K)
+                if HAS_ZERO:
+                    wt -= _k_scales(wz_rows, col_ok, k0, KD, stride_wsk, "zero", W_BK, BLOCK_N, BLOCK_K)
+            if W_FMT == "int4" and not HAS_ZERO:
+                wt -= 8.0
+            wt = wt * s_w
+        b = tl.trans(wt.to(DOT_DTYPE))
+    return b
+
+
+@triton.jit
+def _mac(
+    acc,
+    a,
+    b,
+    as_row_ptr,
+    row_ok,
+    ws_base,
+    cols,
+    col_ok,
+    k0,
+    stride_ask,
+    stride_wsn,
+    stride_wsk,
+    W_FMT: tl.constexpr,
+    A_GROUP: tl.constexpr,
+    W_BN: tl.constexpr,
+    W_BK: tl.constexpr,
+    NATIVE: tl.constexpr,
+    INT_ACC: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    """acc + a @ b for W rows ``cols``, with native w8a8's per-K scales on the partial product."""
+    if NATIVE and (A_GROUP > 0 or W_BK > 0):
+        if W_FMT == "int8":
+            part = tl.dot(a, b, out_dtype=tl.int32).to(tl.float32)
+        else:
+            part = tl.dot(a, b)
+        if A_GROUP > 0:
+            part *= tl.load(as_row_ptr + (k0 // A_GROUP) * stride_ask, mask=row_ok, other=0)[:, None]
+        if W_BK > 0:
+            s_blk = tl.load(ws_base + (cols // W_BN) * stride_wsn + (k0 // W_BK) * stride_wsk, mask=col_ok, other=0)
+            part *= s_blk[None, :]
+        acc += part
+    elif INT_ACC:
+        acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+    elif DOT_DTYPE == tl.float32:
+        # fp32 operands (fp32 models, the interpreter): full precision, not tf32 (~1e-3).
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _scale_and_bias(
+    acc,
+    as_row_ptr,
+    row_ok,
+    ws_base,
+    w_gscale_ptr,
+    a_gscale_ptr,
+    bias_ptr,
+    e,
+    cols,
+    col_ok,
+    stride_age,
+    stride_wsn,
+    stride_be,
+    stride_bn,
+    A_FMT: tl.constexpr,
+    A_GROUP: tl.constexpr,
+    W_FMT: tl.constexpr,
+    W_BK: tl.constexpr,
+    HAS_A_GSCALE: tl.constexpr,
+    HAS_W_GSCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    """fp32 acc of W rows ``cols`` times the scales not folded per K step, plus the bias."""
+    acc = acc.to(tl.float32)
+    if (A_FMT == "fp8" or A_FMT == "int8") and A_GROUP == 0:
+        acc *= tl.load(as_row_ptr, mask=row_ok, other=0)[:, None]
+    if W_FMT != "float" and W_BK == 0:
+        acc *= tl.load(ws_base + cols * stride_wsn, mask=col_ok, other=0)[None, :]
+    if HAS_W_GSCALE:
+        acc *= tl.load(w_gscale_ptr + e)
+    if HAS_A_GSCALE:
+        acc *= tl.load(a_gscale_ptr + e * stride_age)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + e * stride_be + cols * stride_bn, mask=col_ok, other=0).to(tl.float32)[None, :]
+    return acc
+
+
+@triton.jit
 def _grouped_gemm_kernel(
     a_ptr,
     a_scale_ptr,
@@ -87,16 +256,19 @@ def _grouped_gemm_kernel(
     bias_ptr,
     route_w_ptr,
     c_ptr,
+    c_scale_ptr,  # OUT_QUANT: the static per-tensor fp32 scale of C
     sorted_ids_ptr,
     block_expert_ptr,
     counts_ptr,
-    N,
+    N,  # columns of C (I under a gated ACT, whose W has 2N rows)
     KD,
     num_pairs,
     a_div,
     m_max,
     blocks_per_expert,
     num_m_blocks,
+    alpha,
+    limit,
     stride_ae,
     stride_am,
     stride_ak,
@@ -133,6 +305,10 @@ def _grouped_gemm_kernel(
     MUL_ROUTED_WEIGHT: tl.constexpr,
     NATIVE: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
+    ACT: tl.constexpr,  # "none" | an Activation value, applied in the epilogue
+    INTERLEAVED: tl.constexpr,  # gated ACT: gate/up are W rows 2n, 2n+1 (else n, N + n)
+    OUT_QUANT: tl.constexpr,  # "none" | "fp8" | "int8": C quantized with c_scale_ptr
+    EXACT_CAST: tl.constexpr,  # the interpreter: encode fp8 by hand (see _common.e4m3_bits)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -167,22 +343,33 @@ def _grouped_gemm_kernel(
         c_rows = ids.to(tl.int64)
     e = e.to(tl.int64)
 
+    # Output columns offs_n; a gated ACT pairs each with a gate and an up row of W, both
+    # multiplied by the same A tile into two accumulators.
+    GATED: tl.constexpr = ACT == "silu" or ACT == "gelu" or ACT == "gelu_tanh" or ACT == "swigluoai"
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
+    if GATED and INTERLEAVED:
+        g_cols = 2 * offs_n
+        u_cols = g_cols + 1
+    elif GATED:
+        g_cols = offs_n
+        u_cols = offs_n + N
+    else:
+        g_cols = offs_n
     a_row_ptr = a_ptr + e * stride_ae + a_rows * stride_am
     as_row_ptr = a_scale_ptr + e * stride_ase + a_rows * stride_asm
     w_base = w_ptr + e * stride_we
     ws_base = w_scale_ptr + e * stride_wse
     wz_base = w_zero_ptr + e * stride_wse  # zero points share the scale's shape and strides
+    g_base = w_gidx_ptr + e * stride_ge
     A_PACKED: tl.constexpr = A_FMT == "nvfp4"
-    W_PACKED: tl.constexpr = W_FMT == "int4" or W_FMT == "mxfp4" or W_FMT == "nvfp4"
     A_PER_K: tl.constexpr = A_GROUP > 0
-    W_PER_K: tl.constexpr = W_BK > 0
-    INT_ACC: tl.constexpr = NATIVE and W_FMT == "int8" and not A_PER_K and not W_PER_K
+    INT_ACC: tl.constexpr = NATIVE and W_FMT == "int8" and not A_PER_K and not W_BK > 0
     if INT_ACC:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = acc  # the up rows' accumulator, carried through the loop only under a gated ACT
 
     for k0 in range(0, KD, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -200,84 +387,47 @@ def _grouped_gemm_kernel(
                 a = (a.to(tl.float32) * s_a).to(DOT_DTYPE)
             else:
                 a = a.to(DOT_DTYPE)
-        # ---- W tile [BK, BN] of W[e], stored [N, K]
-        if NATIVE or W_FMT == "float":
-            b = tl.load(
-                w_base + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn,
-                mask=k_ok[:, None] & n_ok[None, :],
-                other=0,
-            )
-            if W_FMT == "fp8":
-                b = b.to(tl.float8e4nv, bitcast=True)
-            if not NATIVE:
-                b = b.to(DOT_DTYPE)
-        else:
-            # Dequantized as stored, [BN, BK] with K contiguous (vector loads of whole bytes),
-            # then transposed for the dot.
-            w_rows = w_base + offs_n * stride_wn
-            if W_PACKED:
-                wt = unpack_nibbles(w_rows, n_ok, k0, KD, stride_wk, BLOCK_N, BLOCK_K)
-                if W_FMT == "int4":
-                    wt = wt.to(tl.float32)
-                else:
-                    wt = e2m1_to_f32(wt)
-            else:
-                wt = tl.load(w_rows[:, None] + offs_k[None, :] * stride_wk, mask=n_ok[:, None] & k_ok[None, :], other=0)
-                if W_FMT == "fp8":
-                    wt = wt.to(tl.float8e4nv, bitcast=True)
-                wt = wt.to(tl.float32)
-            if W_PER_K:
-                ws_rows = ws_base + (offs_n // W_BN) * stride_wsn
-                wz_rows = wz_base + (offs_n // W_BN) * stride_wsn
-                if ACT_ORDER:
-                    gk = tl.load(w_gidx_ptr + e * stride_ge + offs_k * stride_gk, mask=k_ok, other=0)
-                    g_mask = n_ok[:, None] & k_ok[None, :]
-                    s_w = _decode_scale(
-                        tl.load(ws_rows[:, None] + gk[None, :] * stride_wsk, mask=g_mask, other=0), W_FMT
-                    )
-                    if HAS_ZERO:
-                        wt -= tl.load(wz_rows[:, None] + gk[None, :] * stride_wsk, mask=g_mask, other=0).to(tl.float32)
-                else:
-                    s_w = _k_scales(ws_rows, n_ok, k0, KD, stride_wsk, W_FMT, W_BK, BLOCK_N, BLOCK_K)
-                    if HAS_ZERO:
-                        wt -= _k_scales(wz_rows, n_ok, k0, KD, stride_wsk, "zero", W_BK, BLOCK_N, BLOCK_K)
-                if W_FMT == "int4" and not HAS_ZERO:
-                    wt -= 8.0
-                wt = wt * s_w
-            b = tl.trans(wt.to(DOT_DTYPE))
-        # ---- multiply-accumulate
-        if NATIVE and (A_PER_K or W_PER_K):
-            if W_FMT == "int8":
-                part = tl.dot(a, b, out_dtype=tl.int32).to(tl.float32)
-            else:
-                part = tl.dot(a, b)
-            if A_PER_K:
-                part *= tl.load(as_row_ptr + (k0 // A_GROUP) * stride_ask, mask=row_ok, other=0)[:, None]
-            if W_PER_K:
-                s_blk = tl.load(ws_base + (offs_n // W_BN) * stride_wsn + (k0 // W_BK) * stride_wsk, mask=n_ok, other=0)
-                part *= s_blk[None, :]
-            acc += part
-        elif INT_ACC:
-            acc = tl.dot(a, b, acc, out_dtype=tl.int32)
-        elif DOT_DTYPE == tl.float32:
-            # fp32 operands (fp32 models, the interpreter): full precision, not tf32 (~1e-3).
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
+        # ---- W tile(s) [BK, BN] and multiply-accumulate
+        b = _w_tile(
+            w_base, ws_base, wz_base, g_base, g_cols, n_ok, k0, offs_k, k_ok, KD,
+            stride_wn, stride_wk, stride_wsn, stride_wsk, stride_gk,
+            W_FMT, W_BN, W_BK, ACT_ORDER, HAS_ZERO, NATIVE, DOT_DTYPE, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+        acc = _mac(
+            acc, a, b, as_row_ptr, row_ok, ws_base, g_cols, n_ok, k0, stride_ask, stride_wsn, stride_wsk,
+            W_FMT, A_GROUP, W_BN, W_BK, NATIVE, INT_ACC, DOT_DTYPE,
+        )  # fmt: skip
+        if GATED:
+            b_u = _w_tile(
+                w_base, ws_base, wz_base, g_base, u_cols, n_ok, k0, offs_k, k_ok, KD,
+                stride_wn, stride_wk, stride_wsn, stride_wsk, stride_gk,
+                W_FMT, W_BN, W_BK, ACT_ORDER, HAS_ZERO, NATIVE, DOT_DTYPE, BLOCK_N, BLOCK_K,
+            )  # fmt: skip
+            acc_u = _mac(
+                acc_u, a, b_u, as_row_ptr, row_ok, ws_base, u_cols, n_ok, k0, stride_ask, stride_wsn, stride_wsk,
+                W_FMT, A_GROUP, W_BN, W_BK, NATIVE, INT_ACC, DOT_DTYPE,
+            )  # fmt: skip
 
-    # ---- epilogue: remaining scales, bias, router weight, store
-    acc = acc.to(tl.float32)
-    if (A_FMT == "fp8" or A_FMT == "int8") and not A_PER_K:
-        acc *= tl.load(as_row_ptr, mask=row_ok, other=0)[:, None]
-    if W_FMT != "float" and not W_PER_K:
-        acc *= tl.load(ws_base + offs_n * stride_wsn, mask=n_ok, other=0)[None, :]
-    if HAS_W_GSCALE:
-        acc *= tl.load(w_gscale_ptr + e)
-    if HAS_A_GSCALE:
-        acc *= tl.load(a_gscale_ptr + e * stride_age)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + e * stride_be + offs_n * stride_bn, mask=n_ok, other=0).to(tl.float32)[None, :]
+    # ---- epilogue: remaining scales, bias, activation, router weight, store (quantized)
+    acc = _scale_and_bias(
+        acc, as_row_ptr, row_ok, ws_base, w_gscale_ptr, a_gscale_ptr, bias_ptr, e, g_cols, n_ok,
+        stride_age, stride_wsn, stride_be, stride_bn,
+        A_FMT, A_GROUP, W_FMT, W_BK, HAS_A_GSCALE, HAS_W_GSCALE, HAS_BIAS,
+    )  # fmt: skip
+    if GATED:
+        up = _scale_and_bias(
+            acc_u, as_row_ptr, row_ok, ws_base, w_gscale_ptr, a_gscale_ptr, bias_ptr, e, u_cols, n_ok,
+            stride_age, stride_wsn, stride_be, stride_bn,
+            A_FMT, A_GROUP, W_FMT, W_BK, HAS_A_GSCALE, HAS_W_GSCALE, HAS_BIAS,
+        )  # fmt: skip
+        acc = apply_act(acc, up, alpha, limit, ACT)
+    else:
+        acc = apply_act(acc, acc, alpha, limit, ACT)
     if MUL_ROUTED_WEIGHT:
         acc *= tl.load(route_w_ptr + e * stride_re + c_rows * stride_rm, mask=row_ok, other=0)[:, None]
     c_ptrs = c_ptr + e * stride_ce + c_rows[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+    c_mask = row_ok[:, None] & n_ok[None, :]
+    if OUT_QUANT == "none":
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+    else:
+        tl.store(c_ptrs, quant_linear(acc, tl.load(c_scale_ptr), OUT_QUANT, EXACT_CAST), mask=c_mask)

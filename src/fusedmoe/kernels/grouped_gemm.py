@@ -14,8 +14,14 @@ are never written (the caller zero-fills only where it needs to). Batched layout
 
     C[e, m] = (A[e, m] @ W[e]^T + bias[e]) * row_weight[e, m]   for m < counts[e]
 
-rows m >= counts[e] untouched. Quantized activations come in already quantized (this
-module never quantizes): pass the stored data as ``a`` and its scale(s).
+rows m >= counts[e] untouched. Quantized activations come in already quantized: pass the
+stored data as ``a`` and its scale(s).
+
+GEMM1 can end with the layer's activation (``act=ActEpilogue``): then C is act(A @ W13^T
++ b13) [M, I] (times the router weight), in the model dtype or quantized with a static
+per-tensor fp8/int8 scale (``act_scale``), and the launch config's BN counts C's columns.
+That saves the [M, 2I] round trip through memory and the activation kernel's launch; a
+dynamically quantized a2 (its scale depends on the values) still needs that kernel.
 
 Weights W [E, N, K] are a ``QTensor`` in the reference layout (see ``quant.tensor``).
 Supported (activation x weight): float x float (bf16/fp16/fp32); fp8 x fp8 and int8 x
@@ -34,12 +40,14 @@ import torch
 import triton
 import triton.language as tl
 
+from ..activations import apply_activation
+from ..config import Activation, MoEConfig
 from ..errors import expect
 from ..metadata import AlignedRouting
-from ..quant import QDtype, QTensor, TensorQuant, dequantize
+from ..quant import QDtype, QTensor, TensorQuant, dequantize, fake_quantize, quantize
 from ._common import interpreting
 from ._grouped_gemm import _grouped_gemm_kernel
-from .launch_config import LaunchConfig, fit_launch_config, pick_launch_config
+from .launch_config import LaunchConfig, fit_launch_config, gated_act_config, pick_launch_config
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 _A_FORMATS = {QDtype.FP8: "fp8", QDtype.INT8: "int8", QDtype.MXFP8: "mxfp8", QDtype.NVFP4: "nvfp4"}
@@ -112,6 +120,61 @@ class GemmFormat:
         return cls(a_fmt, a_group, w_fmt, bn, bk, w_quant.act_order, has_zero)
 
 
+_OUT_QUANT = {QDtype.FP8: ("fp8", torch.float8_e4m3fn), QDtype.INT8: ("int8", torch.int8)}
+
+
+@dataclass(frozen=True)
+class ActEpilogue:
+    """The activation GEMM1 applies in its epilogue, and how it stores the result.
+
+    Fields are named as in ``MoEConfig``, so ``apply_activation(h, epilogue)`` is its
+    reference. A gated ``activation`` reads W13 [E, 2I, H] (gate rows then up rows, or
+    interleaved) and writes C [M, I]; a ``*_no_mul`` one maps [E, I, H] to [M, I].
+    ``quant``: None (C in the model dtype) or a static per-tensor fp8/int8 ``TensorQuant``
+    whose scale comes as ``act_scale``: C = Q(act(h) (* router weight)).
+    """
+
+    activation: Activation = Activation.SILU
+    gate_up_interleaved: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    quant: TensorQuant | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.activation, Activation):
+            object.__setattr__(self, "activation", Activation(self.activation))
+        expect(
+            self.supports(self.quant),
+            "ActEpilogue.quant",
+            "None or a static per-tensor fp8/int8 scale (dynamic scales need the whole row or tensor)",
+            self.quant,
+        )
+        expect(
+            self.activation.is_gated or not self.gate_up_interleaved,
+            "ActEpilogue.gate_up_interleaved",
+            "False for a non-gated activation",
+            self.gate_up_interleaved,
+        )
+
+    @staticmethod
+    def supports(a2: TensorQuant | None) -> bool:
+        """Whether the epilogue can produce GEMM2's input ``a2``: unquantized, or quantized with
+        a scale known before the values are (static per-tensor fp8/int8)."""
+        return a2 is None or (a2.dtype in _OUT_QUANT and a2.granularity.kind == "tensor" and not a2.dynamic)
+
+    @classmethod
+    def of(cls, config: MoEConfig, a2: TensorQuant | None = None) -> ActEpilogue:
+        """The epilogue of ``config``'s layer producing ``a2`` (see ``supports``)."""
+        return cls(config.activation, config.gate_up_interleaved, config.swiglu_alpha, config.swiglu_limit, quant=a2)
+
+    def out_cols(self, n: int) -> int:
+        """Columns of C for a W of ``n`` rows."""
+        return n // 2 if self.activation.is_gated else n
+
+    def out_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        return model_dtype if self.quant is None else _OUT_QUANT[self.quant.dtype][1]
+
+
 def scheme_key(w_quant: TensorQuant | None, a_quant: TensorQuant | None) -> str:
     """Short name of the kernel variant, the key of launch-config tables."""
     if w_quant is None:
@@ -153,14 +216,18 @@ def grouped_gemm_launch(
     a_global_scale: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     route_weights: torch.Tensor | None = None,
+    act: ActEpilogue | None = None,
+    act_scale: torch.Tensor | None = None,
 ) -> None:
     """Launch the kernel into ``c``: standard layout with ``routing``, batched with ``counts``.
 
     Shapes are not re-validated here (``grouped_gemm`` does it); ``cfg.block_m`` must
-    equal ``routing.block_m`` in the standard layout.
+    equal ``routing.block_m`` in the standard layout. With ``act``, ``cfg.block_n`` counts
+    columns of the activation output C.
     """
     batched = routing is None
-    e_l, n, kd = w.shape
+    e_l, n_w, kd = w.shape
+    n = n_w if act is None else act.out_cols(n_w)
     if batched:
         m_max = a.shape[1]
         blocks_per_expert = triton.cdiv(m_max, cfg.block_m)
@@ -176,7 +243,8 @@ def grouped_gemm_launch(
         c_str = (0, *c.stride())
     if num_m_blocks == 0 or n == 0 or c.numel() == 0:
         return
-    dummy = c
+    c_arg = _u8(c)  # fp8 codes are stored as bytes
+    dummy = c_arg
     scale_nd = 3 if batched else 2
     a_scale = _u8(a_scale)
     as_str = _strides(a_scale, scale_nd) if a_scale is not None else (0,) * scale_nd
@@ -201,6 +269,8 @@ def grouped_gemm_launch(
         if route_weights is not None
         else (0, 0)
     )
+    out_quant = "none" if act is None or act.quant is None else _OUT_QUANT[act.quant.dtype][0]
+    c_scale = act_scale.reshape(1).float().contiguous() if out_quant != "none" else None
     if interpreting():
         dot_dtype = tl.float32  # the interpreter's bf16/fp16 dot multiplies raw bits
     elif fmt.a_fmt == "float":
@@ -220,7 +290,8 @@ def grouped_gemm_launch(
         dummy if g_idx is None else g_idx,
         dummy if bias is None else bias,
         dummy if route_weights is None else route_weights,
-        c,
+        c_arg,
+        dummy if c_scale is None else c_scale,
         dummy if batched else routing.sorted_ids,
         dummy if batched else routing.block_expert,
         counts if batched else dummy,
@@ -231,6 +302,8 @@ def grouped_gemm_launch(
         m_max,
         blocks_per_expert,
         num_m_blocks,
+        1.702 if act is None else act.swiglu_alpha,
+        7.0 if act is None else act.swiglu_limit,
         *a_str,
         *as_str,
         0 if ag is None or ag.numel() == 1 else 1,
@@ -254,6 +327,10 @@ def grouped_gemm_launch(
         MUL_ROUTED_WEIGHT=route_weights is not None,
         NATIVE=fmt.native,
         DOT_DTYPE=dot_dtype,
+        ACT="none" if act is None else act.activation.value,
+        INTERLEAVED=act is not None and act.gate_up_interleaved,
+        OUT_QUANT=out_quant,
+        EXACT_CAST=interpreting(),
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
@@ -273,8 +350,9 @@ def _a_cols(a: torch.Tensor, a_quant: TensorQuant | None) -> int:
 
 
 def _prepare(
-    a, w, w_quant, a_quant, a_scale, bias, out_dtype, rows_hint: int, config
-) -> tuple[QTensor, GemmFormat, LaunchConfig, torch.dtype]:
+    a, w, w_quant, a_quant, a_scale, bias, out_dtype, rows_hint: int, config, act, act_scale
+) -> tuple[QTensor, GemmFormat, LaunchConfig, torch.dtype, int]:
+    """Validated operands: (w, format, fitted launch config, C's dtype, C's columns)."""
     w = _as_qtensor(w)
     expect(len(w.shape) == 3, "w", "a [E, N, K] weight", w.shape)
     e_l, n, kd = w.shape
@@ -289,14 +367,43 @@ def _prepare(
         expect(w.g_idx is not None, "w.g_idx", "an act-order group map [E, K]")
     if bias is not None:
         expect(tuple(bias.shape) == (e_l, n), "bias", f"shape {(e_l, n)}", tuple(bias.shape))
+    model_dtype = a.dtype if a_quant is None else torch.bfloat16
+    n_out = n
+    if act is not None:
+        if act.activation.is_gated:
+            expect(n % 2 == 0, "w", f"an even number of rows [E, 2I, K] for {act.activation.value}", w.shape)
+        n_out = act.out_cols(n)
+        if act.quant is not None:
+            ok = act_scale is not None and act_scale.numel() == 1
+            expect(ok, "act_scale", f"the static scale of {act.quant.short}")
+            want = act.out_dtype(model_dtype)
+            expect(out_dtype in (None, want), "out_dtype", f"{want} for {act.quant.short} output", out_dtype)
+            out_dtype = want
     if out_dtype is None:
-        out_dtype = a.dtype if a_quant is None else torch.bfloat16
-    cfg = config or pick_launch_config(rows_hint, e_l, n, kd, scheme_key(w_quant, a_quant))
-    return w, fmt, fit_launch_config(cfg, fmt.k_group, strict=fmt.native), out_dtype
+        out_dtype = model_dtype
+    if config is None:
+        config = pick_launch_config(rows_hint, e_l, n, kd, scheme_key(w_quant, a_quant))
+        if act is not None and act.activation.is_gated:
+            config = gated_act_config(config)
+    return w, fmt, fit_launch_config(config, fmt.k_group, strict=fmt.native), out_dtype, n_out
 
 
 def _use_kernel(t: torch.Tensor) -> bool:
     return t.device.type != "cpu" or interpreting()
+
+
+def _fill_from_ref(out: torch.Tensor, ref_fn, act: ActEpilogue | None, act_scale) -> torch.Tensor:
+    """The CPU path: ``out``'s rows that the reference writes, from the reference in fp32
+    (quantized to C's codes when the epilogue quantizes)."""
+    if act is not None and act.quant is not None:
+        ref = ref_fn(replace(act, quant=None))
+        written = ~ref.isnan().all(dim=-1)
+        out[written] = quantize(ref[written], act.quant, scale=act_scale.reshape(1, 1)).data
+        return out
+    ref = ref_fn(act)
+    written = ~ref.isnan().all(dim=-1)
+    out[written] = ref[written].to(out.dtype)
+    return out
 
 
 def grouped_gemm(
@@ -314,6 +421,8 @@ def grouped_gemm(
     out: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     config: LaunchConfig | None = None,
+    act: ActEpilogue | None = None,
+    act_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """C [T*K, N] = per-pair A rows @ W[e]^T (+ bias[e]) (* topk weight), standard layout.
 
@@ -323,38 +432,48 @@ def grouped_gemm(
          ``a_global_scale``.
     w:   [E_l, N, Kd] QTensor quantized as ``w_quant`` (or a float tensor, w_quant None).
     topk_weights: [T, K] float32; each row of C is multiplied by its pair's weight.
+    act: GEMM1's activation in the epilogue: C [T*K, I] = act(A @ W13^T + b13) (* topk
+         weight), stored in the model dtype or as ``act.quant`` codes with the static scale
+         ``act_scale`` [1] or [1, 1] (see ``ActEpilogue``). ``config.block_n`` then counts C's
+         columns (with ``config`` None the picked GEMM1 config gets ``gated_act_config``).
     config.block_m is replaced by ``routing.block_m`` (the tile is the aligned block).
     Rows of C that belong to no local pair keep their contents (``out``) or are
     uninitialised (a new tensor).
     """
     num_pairs = routing.num_pairs
-    w, fmt, cfg, out_dtype = _prepare(a, w, w_quant, a_quant, a_scale, bias, out_dtype, num_pairs, config)
+    w, fmt, cfg, out_dtype, n = _prepare(
+        a, w, w_quant, a_quant, a_scale, bias, out_dtype, num_pairs, config, act, act_scale
+    )
     cfg = replace(cfg, block_m=routing.block_m)
-    n = w.shape[1]
     expect(a.shape[0] * a_div == num_pairs, "a", f"{num_pairs // max(a_div, 1)} rows for a_div={a_div}", a.shape[0])
     if out is None:
         out = torch.empty(num_pairs, n, dtype=out_dtype, device=a.device)
     expect(tuple(out.shape) == (num_pairs, n), "out", f"shape {(num_pairs, n)}", tuple(out.shape))
+    if act is not None and act.quant is not None:
+        expect(out.dtype == out_dtype, "out", f"{out_dtype} codes for {act.quant.short}", out.dtype)
     if topk_weights is not None:
         expect(topk_weights.numel() == num_pairs, "topk_weights", f"{num_pairs} weights", tuple(topk_weights.shape))
         topk_weights = topk_weights.reshape(-1).float().contiguous()
     if not _use_kernel(a):
-        ref = grouped_gemm_ref(
-            a,
-            w,
-            routing,
-            w_quant=w_quant,
-            a_quant=a_quant,
-            a_scale=a_scale,
-            a_global_scale=a_global_scale,
-            bias=bias,
-            topk_weights=topk_weights,
-            a_div=a_div,
-            dtype=torch.float32,
-        )
-        written = ~ref.isnan().all(dim=1)
-        out[written] = ref[written].to(out.dtype)
-        return out
+
+        def ref_fn(ep):
+            return grouped_gemm_ref(
+                a,
+                w,
+                routing,
+                w_quant=w_quant,
+                a_quant=a_quant,
+                a_scale=a_scale,
+                a_global_scale=a_global_scale,
+                bias=bias,
+                topk_weights=topk_weights,
+                a_div=a_div,
+                act=ep,
+                act_scale=act_scale,
+                dtype=torch.float32,
+            )
+
+        return _fill_from_ref(out, ref_fn, act, act_scale)
     grouped_gemm_launch(
         a,
         w,
@@ -367,6 +486,8 @@ def grouped_gemm(
         a_global_scale=a_global_scale,
         bias=bias,
         route_weights=topk_weights,
+        act=act,
+        act_scale=act_scale,
     )
     return out
 
@@ -385,37 +506,46 @@ def grouped_gemm_batched(
     out: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     config: LaunchConfig | None = None,
+    act: ActEpilogue | None = None,
+    act_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """C [E_l, M_max, N] = A[e] @ W[e]^T (+ bias[e]) (* row_weights[e, m]) for m < counts[e].
 
     a: [E_l, M_max, Kd] (or its quantized data, packed [.., Kd/2] for nvfp4) with
     ``a_scale`` [1, 1], [E_l, M_max, 1] or [E_l, M_max, G]; counts int32 [E_l] on the
     device (read by the kernel, never by the host). Rows past counts[e] are untouched.
+    ``act``/``act_scale``: GEMM1's activation in the epilogue, as in ``grouped_gemm``.
     """
     e_l, m_max = a.shape[0], a.shape[1]
-    w, fmt, cfg, out_dtype = _prepare(a, w, w_quant, a_quant, a_scale, bias, out_dtype, e_l * m_max, config)
-    n = w.shape[1]
+    w, fmt, cfg, out_dtype, n = _prepare(
+        a, w, w_quant, a_quant, a_scale, bias, out_dtype, e_l * m_max, config, act, act_scale
+    )
     expect(w.shape[0] == e_l, "w", f"{e_l} experts (a is {tuple(a.shape)})", w.shape)
     expect(tuple(counts.shape) == (e_l,) and counts.dtype == torch.int32, "counts", f"int32 [{e_l}]", counts)
     if out is None:
         out = torch.empty(e_l, m_max, n, dtype=out_dtype, device=a.device)
     expect(tuple(out.shape) == (e_l, m_max, n), "out", f"shape {(e_l, m_max, n)}", tuple(out.shape))
+    if act is not None and act.quant is not None:
+        expect(out.dtype == out_dtype, "out", f"{out_dtype} codes for {act.quant.short}", out.dtype)
     if not _use_kernel(a):
-        ref = grouped_gemm_batched_ref(
-            a,
-            w,
-            counts,
-            w_quant=w_quant,
-            a_quant=a_quant,
-            a_scale=a_scale,
-            a_global_scale=a_global_scale,
-            bias=bias,
-            row_weights=row_weights,
-            dtype=torch.float32,
-        )
-        written = ~ref.isnan().all(dim=-1)
-        out[written] = ref[written].to(out.dtype)
-        return out
+
+        def ref_fn(ep):
+            return grouped_gemm_batched_ref(
+                a,
+                w,
+                counts,
+                w_quant=w_quant,
+                a_quant=a_quant,
+                a_scale=a_scale,
+                a_global_scale=a_global_scale,
+                bias=bias,
+                row_weights=row_weights,
+                act=ep,
+                act_scale=act_scale,
+                dtype=torch.float32,
+            )
+
+        return _fill_from_ref(out, ref_fn, act, act_scale)
     grouped_gemm_launch(
         a,
         w,
@@ -427,6 +557,8 @@ def grouped_gemm_batched(
         a_global_scale=a_global_scale,
         bias=bias,
         route_weights=None if row_weights is None else row_weights.float(),
+        act=act,
+        act_scale=act_scale,
     )
     return out
 
@@ -446,6 +578,26 @@ def _dequant_w(w, w_quant, dtype) -> torch.Tensor:
     return w.data.to(dtype) if w_quant is None else dequantize(w, w_quant, dtype)
 
 
+def _epilogue_ref(y, bias, weights, act, dtype) -> torch.Tensor:
+    """Bias, activation (``apply_activation``), router weight: the kernel's epilogue order."""
+    if bias is not None:
+        y = y + bias.to(dtype)
+    if act is not None:
+        y = apply_activation(y, act)
+    if weights is not None:
+        y = y * weights.to(dtype).unsqueeze(1)
+    return y
+
+
+def _quantize_ref(out: torch.Tensor, act: ActEpilogue | None, act_scale) -> torch.Tensor:
+    """Written rows of ``out`` as the values of their static fp8/int8 codes (``act.quant``)."""
+    if act is None or act.quant is None:
+        return out
+    written = ~out.isnan().all(dim=-1)
+    out[written] = fake_quantize(out[written], act.quant, out.dtype, scale=act_scale.reshape(1, 1))
+    return out
+
+
 def grouped_gemm_ref(
     a: torch.Tensor,
     w: QTensor | torch.Tensor,
@@ -458,26 +610,27 @@ def grouped_gemm_ref(
     bias: torch.Tensor | None = None,
     topk_weights: torch.Tensor | None = None,
     a_div: int = 1,
+    act: ActEpilogue | None = None,
+    act_scale: torch.Tensor | None = None,
     dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor:
-    """``grouped_gemm`` from dequantized operands in ``dtype``; rows not written are NaN."""
+    """``grouped_gemm`` from dequantized operands in ``dtype``; rows not written are NaN.
+
+    With ``act.quant``, the values of the codes (``fake_quantize``), not the codes."""
     n = _as_qtensor(w).shape[1]
+    n_out = n if act is None else act.out_cols(n)
     ad = _dequant_a(a, a_quant, a_scale, a_global_scale, dtype)
     wd = _dequant_w(w, w_quant, dtype)
-    out = torch.full((routing.num_pairs, n), float("nan"), dtype=dtype, device=a.device)
+    out = torch.full((routing.num_pairs, n_out), float("nan"), dtype=dtype, device=a.device)
     slots = routing.sorted_ids.long()
     expert = routing.block_expert.long().repeat_interleave(routing.block_m)
     real = (slots < routing.num_pairs) & (expert >= 0)
     rows, ex = slots[real], expert[real]
     for e in torch.unique(ex).tolist():
         r = rows[ex == e]
-        y = ad[r // a_div] @ wd[e].T
-        if bias is not None:
-            y = y + bias[e].to(dtype)
-        if topk_weights is not None:
-            y = y * topk_weights.reshape(-1)[r].to(dtype).unsqueeze(1)
-        out[r] = y
-    return out
+        weights = None if topk_weights is None else topk_weights.reshape(-1)[r]
+        out[r] = _epilogue_ref(ad[r // a_div] @ wd[e].T, None if bias is None else bias[e], weights, act, dtype)
+    return _quantize_ref(out, act, act_scale)
 
 
 def grouped_gemm_batched_ref(
@@ -491,20 +644,19 @@ def grouped_gemm_batched_ref(
     a_global_scale: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     row_weights: torch.Tensor | None = None,
+    act: ActEpilogue | None = None,
+    act_scale: torch.Tensor | None = None,
     dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor:
     """``grouped_gemm_batched`` from dequantized operands in ``dtype``; rows not written are NaN."""
     e_l, m_max = a.shape[0], a.shape[1]
     n = _as_qtensor(w).shape[1]
+    n_out = n if act is None else act.out_cols(n)
     ad = _dequant_a(a, a_quant, a_scale, a_global_scale, dtype)
     wd = _dequant_w(w, w_quant, dtype)
-    out = torch.full((e_l, m_max, n), float("nan"), dtype=dtype, device=a.device)
+    out = torch.full((e_l, m_max, n_out), float("nan"), dtype=dtype, device=a.device)
     for e, cnt in enumerate(counts.tolist()):
         cnt = min(cnt, m_max)
-        y = ad[e, :cnt] @ wd[e].T
-        if bias is not None:
-            y = y + bias[e].to(dtype)
-        if row_weights is not None:
-            y = y * row_weights[e, :cnt].to(dtype).unsqueeze(1)
-        out[e, :cnt] = y
-    return out
+        weights = None if row_weights is None else row_weights[e, :cnt]
+        out[e, :cnt] = _epilogue_ref(ad[e, :cnt] @ wd[e].T, None if bias is None else bias[e], weights, act, dtype)
+    return _quantize_ref(out.view(e_l * m_max, n_out), act, act_scale).view(e_l, m_max, n_out)

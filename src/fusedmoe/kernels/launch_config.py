@@ -162,3 +162,13 @@ def fit_launch_config(cfg: LaunchConfig, k_group: int | None, strict: bool = Tru
         expect(not strict, "scale group along K", "a multiple of 16 for a w8a8 kernel", k_group)
         return replace(cfg, block_k=min(cfg.block_k, 64), num_stages=min(cfg.num_stages, 2))
     return replace(cfg, block_k=bk)
+
+
+def gated_act_config(cfg: LaunchConfig) -> LaunchConfig:
+    """GEMM1's config (picked or tuned for W13's 2I rows) for the fused gated activation.
+
+    There BN counts activation columns and each takes a gate and an up row of W13, so BN
+    halves (to no less than 16): a program reads the same BN rows of W13, in two dots of
+    half the width, and the grid has as many programs as the plain GEMM1's.
+    """
+    return replace(cfg, block_n=max(16, cfg.block_n // 2))

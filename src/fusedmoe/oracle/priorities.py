@@ -12,9 +12,11 @@ rules of ARCHITECTURE.md "Backend selection"):
 - vendor kernels first where they exist: TRT-LLM and FlashInfer on sm100,
   DeepGEMM for 128x128-block fp8 on sm90, Marlin for weight-only int4/FP4 on
   GPUs without FP4 tensor cores, AITER on ROCm;
-- then ours: ``triton`` (every scheme), ``grouped_mm`` (PyTorch's CUTLASS
-  grouped GEMM, bf16 and fp8 row-wise on sm90) whose place against triton is
-  the shape rule of ``thresholds.py``;
+- then ours: ``triton_or_grouped_mm`` (per call, by the measured crossover of
+  ``thresholds.py``; refused where none is measured), ``triton`` (every
+  scheme), ``grouped_mm`` (PyTorch's CUTLASS grouped GEMM, bf16 and fp8
+  row-wise on sm90) whose place against triton, for a known token count, is
+  the same shape rule;
 - FlashInfer's bf16 MoE after ours: vLLM keeps it opt-in
   (VLLM_USE_FLASHINFER_MOE_FP16=0 by default);
 - on the CPU: ``cpu``, then ``grouped_mm`` (torch's CPU grouped GEMM is a loop
@@ -36,8 +38,8 @@ _CPU = ("cpu", "reference", "triton")
 # family variant -> platform class -> standard-layout candidates, best first
 STANDARD: dict[str, dict[str, tuple[str, ...]]] = {
     "unquantized": {
-        "sm100": ("triton", "grouped_mm", "flashinfer_cutlass", "oai_triton"),
-        "sm90": ("triton", "grouped_mm", "flashinfer_cutlass", "oai_triton"),
+        "sm100": ("triton_or_grouped_mm", "triton", "grouped_mm", "flashinfer_cutlass", "oai_triton"),
+        "sm90": ("triton_or_grouped_mm", "triton", "grouped_mm", "flashinfer_cutlass", "oai_triton"),
         "sm89": ("triton", "grouped_mm"),
         "sm80": ("triton", "grouped_mm"),
         "gfx950": ("aiter", "triton"),
@@ -47,8 +49,8 @@ STANDARD: dict[str, dict[str, tuple[str, ...]]] = {
     },
     # fp8 with tensor / token / channel scales
     "fp8": {
-        "sm100": ("trtllm", "flashinfer_cutlass", "cutlass_fp8", "triton", "grouped_mm"),
-        "sm90": ("flashinfer_cutlass", "cutlass_fp8", "triton", "grouped_mm"),
+        "sm100": ("trtllm", "flashinfer_cutlass", "cutlass_fp8", "triton_or_grouped_mm", "triton", "grouped_mm"),
+        "sm90": ("flashinfer_cutlass", "cutlass_fp8", "triton_or_grouped_mm", "triton", "grouped_mm"),
         "sm89": ("triton", "cutlass_fp8"),
         "sm80": ("triton", "marlin"),
         "gfx950": ("aiter", "triton"),

@@ -9,12 +9,21 @@ not a constant in code.
 
 A rule has two keys: tokens per expert, T*K/E (the rows of each GEMM group,
 which decide whether a weight tile is reused), and the intermediate size I
-(the width of each expert's GEMMs). Both matter: a first eager (no CUDA
-graph) run on an H100 (experts only, bf16 / fp8 per channel) had grouped_mm at
-0.84x / 0.67x of triton's time for Mixtral (E=8, I=14336) at 4096 tokens per
-expert, but at 2.1x / 1.9x for Qwen3-30B-A3B (E=128, I=768) at 1024 tokens
-per expert. Until a row is measured with CUDA graphs, triton stays first at
-every size.
+(the width of each expert's GEMMs). Both matter. Measured with CUDA graphs on
+an H200 (``fusedmoe bench``, whole layer from router logits, 2026-11-21,
+benchmarks/results/layer_h200_graphs_2026-11-21.md), grouped_mm's time over
+triton's:
+
+- bf16: Mixtral (E=8, I=14336) 1.03 at 256 tokens per expert, 0.89 at 1024
+  and 4096; DeepSeek-V3 (I=2048), gpt-oss (I=2880) and Qwen3 (I=768) 1.1-2.0
+  at every size up to 512-2048 tokens per expert;
+- fp8 (row-wise against triton's per-tensor): Mixtral 1.13 at 16, 0.92 at 64
+  and 256, 0.72-0.67 at 1024-4096; the others 0.90-1.8 with no steady
+  crossover (DeepSeek-V3 0.90 at 32 and 1.09 at 128 tokens per expert).
+
+So grouped_mm goes first only for wide experts (I >= 8192, between the widths
+measured), from 1024 (bf16) or 64 (fp8) tokens per expert. H100 and H200 share
+the sm90 rows; sm100 is not measured.
 """
 
 from __future__ import annotations
@@ -37,11 +46,19 @@ class Crossover:
 # (platform arch, scheme family) -> Crossover, or None: triton first at every size (not measured
 # yet). Fill from `fusedmoe bench` on that GPU, with the run that measured it next to the number.
 GROUPED_MM_CROSSOVER: dict[tuple[str, str], Crossover | None] = {
-    ("sm90", "unquantized"): None,
-    ("sm90", "fp8"): None,
+    ("sm90", "unquantized"): Crossover(tokens_per_expert=1024, min_intermediate_size=8192),
+    ("sm90", "fp8"): Crossover(tokens_per_expert=64, min_intermediate_size=8192),
     ("sm100", "unquantized"): None,
     ("sm100", "fp8"): None,
 }
+
+
+def crossover_for(platform: Platform, scheme: QuantScheme, config: MoEConfig) -> Crossover | None:
+    """The measured crossover that applies to this platform, scheme family and I, or None."""
+    rule = GROUPED_MM_CROSSOVER.get((platform.arch, scheme.family))
+    if rule is None or config.intermediate_size < rule.min_intermediate_size:
+        return None
+    return rule
 
 
 def grouped_mm_first(

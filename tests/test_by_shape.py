@@ -1,0 +1,77 @@
+"""``triton_or_grouped_mm``: the per-call choice between triton and grouped_mm (CPU: triton under
+the interpreter, grouped_mm's bf16 CPU path; the oracle's side is in test_oracle.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fusedmoe.config import MoEConfig
+from fusedmoe.experts.by_shape import TritonOrGroupedMMExperts
+from fusedmoe.metadata import TopK
+from fusedmoe.oracle import thresholds
+from fusedmoe.platform import Platform
+from fusedmoe.quant import QTensor, QuantScheme
+from fusedmoe.testing import make_problem, poison_, rel_error, tolerance
+
+CONFIG = MoEConfig(num_experts=4, top_k=2, hidden_size=64, intermediate_size=32)
+SM90 = Platform.simulated("sm90")
+
+
+@pytest.fixture
+def rule(monkeypatch):
+    # 8 tokens per expert: E=4, K=2 -> from T=16 on grouped_mm
+    r = thresholds.Crossover(tokens_per_expert=8, min_intermediate_size=32)
+    monkeypatch.setitem(thresholds.GROUPED_MM_CROSSOVER, ("sm90", "unquantized"), r)
+    return r
+
+
+def test_part_follows_the_crossover(rule):
+    ex = TritonOrGroupedMMExperts(CONFIG, QuantScheme.unquantized(), platform=SM90)
+    assert ex.part_for(15) is ex.triton
+    assert ex.part_for(16) is ex.grouped_mm
+    ex.deterministic = True  # grouped_mm's tiles depend on T: deterministic mode stays on triton
+    assert ex.triton.deterministic and ex.part_for(10_000) is ex.triton
+
+
+@pytest.mark.parametrize("t", [5, 16, 40])
+def test_both_parts_compute_the_layer(rule, t):
+    scheme = QuantScheme.unquantized()
+    p = make_problem(CONFIG, scheme, t, seed=t)
+    ex = TritonOrGroupedMMExperts(CONFIG, scheme, platform=SM90)
+    out = poison_(torch.empty_like(p.x))
+    ex.apply(QTensor(p.x, tuple(p.x.shape)), TopK(p.topk_ids, p.topk_weights), p.weights, out)
+    assert rel_error(out, p.reference()) <= tolerance(scheme, CONFIG.dtype)
+
+
+def test_refusals_name_the_part(rule):
+    fp8_block = QuantScheme.by_name("fp8_block")
+    why = TritonOrGroupedMMExperts.why_not(MoEConfig(4, 2, 256, 256), fp8_block, SM90)
+    assert why == "quantization scheme fp8_block not supported"
+    why = TritonOrGroupedMMExperts.why_not(MoEConfig(4, 2, 64, 16), QuantScheme.unquantized(), SM90)
+    assert why.startswith("no measured triton/grouped_mm crossover for sm90 unquantized at I=16")
+    assert "platform cpu" in TritonOrGroupedMMExperts.why_not(
+        CONFIG, QuantScheme.unquantized(), Platform.simulated("cpu")
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sname", ["bf16", "fp8_tensor"])
+def test_measured_rule_on_gpu(sname):
+    """The shipped sm90 rule at a wide-expert shape: decode on triton, prefill on grouped_mm,
+    both within the scheme's tolerance."""
+    from fusedmoe.platform import current_platform
+
+    cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=1024, intermediate_size=8192)
+    scheme = QuantScheme.by_name(sname)
+    ex = TritonOrGroupedMMExperts(cfg, scheme, platform=current_platform())
+    for t, part in ((16, ex.triton), (4096, ex.grouped_mm)):
+        assert ex.part_for(t) is part
+        p = make_problem(cfg, scheme, t, device="cuda")
+        from fusedmoe.dispatch.local import LocalDispatcher
+        from fusedmoe.kernel import MoEKernel
+
+        out = MoEKernel(LocalDispatcher(cfg, scheme), ex)(p.x, TopK(p.topk_ids, p.topk_weights), p.weights)
+        err = rel_error(out, p.reference())
+        print(f"MAXERR triton_or_grouped_mm {sname} T={t} ({part.name}): {err:.2e}")
+        assert err <= tolerance(scheme, cfg.dtype)
