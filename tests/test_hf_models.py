@@ -49,18 +49,14 @@ _COMMON = dict(
     eos_token_id=None,
     pad_token_id=None,
 )
-_MLA = dict(
-    kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, num_key_value_heads=2
-)
+_MLA = dict(kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, num_key_value_heads=2)
 
 
 def _config(name: str):
     """A fresh tiny config (transformers writes the experts implementation into it)."""
     c = _COMMON
     if name == "mixtral":
-        return tf.MixtralConfig(
-            **c, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2
-        )
+        return tf.MixtralConfig(**c, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2)
     if name == "qwen2_moe":  # norm_topk_prob False (its default), gated shared expert
         return tf.Qwen2MoeConfig(
             **c,
@@ -230,9 +226,7 @@ def _config_change(**changes):
 
 
 def _no_shared_gate(hf: HFMoE) -> HFMoE:
-    return dataclasses.replace(
-        hf, shared_expert=dataclasses.replace(hf.shared_expert, gate_weight=None)
-    )
+    return dataclasses.replace(hf, shared_expert=dataclasses.replace(hf.shared_expert, gate_weight=None))
 
 
 def _no_expert_bias(hf: HFMoE) -> HFMoE:
@@ -270,9 +264,7 @@ MUTATIONS = {
 }
 
 
-@pytest.mark.parametrize(
-    "name,mutation", [(n, m) for n in MODELS for m in MUTATIONS[n]], ids=lambda v: str(v)
-)
+@pytest.mark.parametrize("name,mutation", [(n, m) for n in MODELS for m in MUTATIONS[n]], ids=lambda v: str(v))
 def test_a_broken_extraction_is_caught(name, mutation):
     """Each detail that extract reads matters: getting it wrong fails the fp32 test by far."""
     block = _block(name, "grouped_mm")

@@ -154,9 +154,7 @@ def test_group_ties_lower_group_first():
     assert _ids(route(logits, 2)) == [[0, 2]]
 
 
-def _spec_ids(
-    choice: torch.Tensor, k: int, groups: int | None, topk_group: int | None, two_best: bool
-):
+def _spec_ids(choice: torch.Tensor, k: int, groups: int | None, topk_group: int | None, two_best: bool):
     """The documented choice, by brute force: sort keys (-value, id), per row."""
     e = choice.shape[1]
     rows = []
@@ -198,9 +196,7 @@ def test_choice_matches_the_documented_order(data, groups, scoring, biased):
     if biased:
         bvals = data.draw(st.lists(st.integers(-1, 1), min_size=e, max_size=e))
         bias = torch.tensor(bvals, dtype=torch.float32) / 4
-    out = route(
-        logits, k, scoring=scoring, correction_bias=bias, num_expert_group=groups, topk_group=tg
-    )
+    out = route(logits, k, scoring=scoring, correction_bias=bias, num_expert_group=groups, topk_group=tg)
     scores = logits.softmax(dim=1) if scoring == "softmax" else logits.sigmoid()
     choice = scores if bias is None else scores + bias
     assert _ids(out) == _spec_ids(choice, k, groups, tg, two_best=bias is not None)
@@ -248,9 +244,7 @@ def _check(out, logits, k, kw, bias, groups=None, topk_group=None):
     w = scores.gather(1, ids)  # the weights are the unbiased scores, bias or not
     scale = kw.get("routed_scaling_factor", 1.0)
     if kw.get("renormalize"):
-        torch.testing.assert_close(
-            out.weights.sum(dim=1), torch.full((t,), scale), rtol=1e-6, atol=0
-        )
+        torch.testing.assert_close(out.weights.sum(dim=1), torch.full((t,), scale), rtol=1e-6, atol=0)
         w = w / w.sum(dim=1, keepdim=True)
     torch.testing.assert_close(out.weights, w * scale, rtol=1e-6, atol=0)
     choice = scores if bias is None else scores + bias
@@ -304,9 +298,7 @@ def test_bias_changes_choice_not_weights():
     biased = route(logits, 2, scoring="sigmoid", correction_bias=bias)
     assert bool((biased.ids[:, 0] == 7).all())  # the bias decides the choice...
     assert not torch.equal(plain.ids, biased.ids)
-    assert bool(
-        (biased.weights < 1).all()
-    )  # ...but weights stay sigmoid scores (bias 10 not added)
+    assert bool((biased.weights < 1).all())  # ...but weights stay sigmoid scores (bias 10 not added)
     torch.testing.assert_close(biased.weights, logits.sigmoid().gather(1, biased.ids.long()))
 
 
@@ -457,9 +449,7 @@ def test_route_errors_name_the_argument():
             "correction_bias",
         ),
         (
-            lambda: route(
-                torch.randn(4, 8), 1, custom_fn=llama4_routing, correction_bias=torch.zeros(8)
-            ),
+            lambda: route(torch.randn(4, 8), 1, custom_fn=llama4_routing, correction_bias=torch.zeros(8)),
             "correction_bias",
         ),
         (lambda: route(torch.randn(4, 8), 9), "RouterConfig.top_k"),
@@ -488,6 +478,4 @@ def test_route_errors_name_the_argument():
 )
 def test_repr_evaluates_back(cfg):
     assert eval(repr(cfg), {"RouterConfig": RouterConfig, "llama4_routing": llama4_routing}) == cfg
-    assert (
-        RouterConfig(num_experts=4, top_k=1, routed_scaling_factor=2).routed_scaling_factor == 2.0
-    )
+    assert RouterConfig(num_experts=4, top_k=1, routed_scaling_factor=2).routed_scaling_factor == 2.0

@@ -444,3 +444,17 @@ def test_layer_forward_validates(monkeypatch):
     monkeypatch.setenv(ENV_CHECK_VALUES, "1")
     with pytest.raises(FusedMoEError, match=r"^x: expected finite values .*token 5"):
         layer(x, logits)
+
+
+@pytest.mark.parametrize("backend", NAN_BACKENDS)
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "swigluoai", "relu2_no_mul", "silu_no_mul"])
+def test_nan_survives_every_activation(backend, activation):
+    """Clamps and relu must keep a NaN (the GPU's float max/min return the other operand), so a
+    NaN token's output is NaN after any activation, also when GEMM1 applies it in its epilogue."""
+    cfg = MoEConfig(num_experts=E, top_k=K, hidden_size=H, intermediate_size=I, activation=activation)
+    p = make_problem(cfg, BF16, 9, seed=11)
+    bad = p.x.clone()
+    bad[4, 3] = float("nan")
+    out = _run(replace(p, x=bad), backend)
+    assert not torch.isfinite(out[4]).all()
+    assert torch.isfinite(out[OTHERS]).all()

@@ -226,8 +226,10 @@ def to_markdown(m: dict) -> str:
     parts += ["", "## Schemes", ""]
     parts.append(
         _table(
-            [[s["name"], s["family"], s["a1"], s["w1"], s["a2"], s["w2"], f"{s['tolerance_bf16']:.0e}"]
-             for s in m["schemes"]],
+            [
+                [s["name"], s["family"], s["a1"], s["w1"], s["a2"], s["w2"], f"{s['tolerance_bf16']:.0e}"]
+                for s in m["schemes"]
+            ],
             ["scheme", "family", "a1", "w1", "a2", "w2", "tolerance (bf16)"],
         )
     )

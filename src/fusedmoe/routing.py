@@ -102,9 +102,7 @@ class RouterConfig:
         )
         if g is not None:
             expect(_is_int(g) and g > 0, "RouterConfig.num_expert_group", "a positive int", g)
-            expect(
-                e % g == 0, "RouterConfig.num_expert_group", f"a divisor of num_experts ({e})", g
-            )
+            expect(e % g == 0, "RouterConfig.num_expert_group", f"a divisor of num_experts ({e})", g)
             expect(
                 _is_int(tg) and 0 < tg <= g,
                 "RouterConfig.topk_group",
@@ -204,9 +202,7 @@ class RouterConfig:
         weights = scores.gather(1, ids)
         if self.renormalize:
             # clamp: scores that all underflow (sigmoid of logits below ~-88) give 0, not NaN
-            weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(
-                torch.finfo(torch.float32).tiny
-            )
+            weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
         if self.routed_scaling_factor != 1.0:
             weights = weights * self.routed_scaling_factor
         return TopK(ids=ids.to(torch.int32).contiguous(), weights=weights.contiguous())
@@ -230,9 +226,7 @@ class RouterConfig:
         t, k, e = logits.shape[0], self.top_k, self.num_experts
         out = self.custom_fn(logits, k)
         expect(
-            isinstance(out, tuple)
-            and len(out) == 2
-            and all(isinstance(x, torch.Tensor) for x in out),
+            isinstance(out, tuple) and len(out) == 2 and all(isinstance(x, torch.Tensor) for x in out),
             "custom_fn",
             "to return a tuple (weights, ids) of tensors",
             type(out),
@@ -255,9 +249,7 @@ class RouterConfig:
             s = ids.sort(dim=-1).values
             expect(bool((s[:, 1:] != s[:, :-1]).all()), "custom_fn ids", "distinct within each row")
             expect(bool(torch.isfinite(weights).all()), "custom_fn weights", "finite values")
-        return TopK(
-            ids=ids.to(torch.int32).contiguous(), weights=weights.to(torch.float32).contiguous()
-        )
+        return TopK(ids=ids.to(torch.int32).contiguous(), weights=weights.to(torch.float32).contiguous())
 
 
 def _topk_ids(values: torch.Tensor, k: int) -> torch.Tensor:

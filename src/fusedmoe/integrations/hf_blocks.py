@@ -333,9 +333,7 @@ def _deepseek_v2(block) -> HFMoE:
         router,
         _get(gate, "weight", f"{kind}.gate"),
         _default_gate(_get(block, "experts", kind), f"{kind}.experts"),
-        shared_expert=SharedExpert.from_mlp(
-            _get(block, "shared_experts", kind), f"{kind}.shared_experts"
-        ),
+        shared_expert=SharedExpert.from_mlp(_get(block, "shared_experts", kind), f"{kind}.shared_experts"),
     )
 
 
@@ -358,9 +356,7 @@ def _deepseek_v3(block) -> HFMoE:
         _get(gate, "weight", where),
         _default_gate(_get(block, "experts", kind), f"{kind}.experts"),
         correction_bias=_get(gate, "e_score_correction_bias", where),
-        shared_expert=SharedExpert.from_mlp(
-            _get(block, "shared_experts", kind), f"{kind}.shared_experts"
-        ),
+        shared_expert=SharedExpert.from_mlp(_get(block, "shared_experts", kind), f"{kind}.shared_experts"),
     )
 
 
@@ -409,9 +405,7 @@ def extract(block: object) -> HFMoE:
     return SUPPORTED_BLOCKS[kind](block)
 
 
-def moe_forward(
-    hf: HFMoE, hidden_states: torch.Tensor, dtype: torch.dtype = torch.float64
-) -> torch.Tensor:
+def moe_forward(hf: HFMoE, hidden_states: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """The block's output for ``hidden_states`` [B, S, H] or [T, H], computed in ``dtype``.
 
     (gpt-oss's block also returns its router scores; this returns the hidden states only.)
@@ -421,9 +415,7 @@ def moe_forward(
     expect(shape[-1] == h, "hidden_states", f"last dimension H = {h}", tuple(shape))
     x = hidden_states.reshape(-1, h)
     topk = hf.router.route(hf.router_logits(x, dtype), hf.correction_bias)
-    out = moe_reference(
-        x, topk.ids, topk.weights, hf.weights, hf.config, QuantScheme.unquantized(), dtype=dtype
-    )
+    out = moe_reference(x, topk.ids, topk.weights, hf.weights, hf.config, QuantScheme.unquantized(), dtype=dtype)
     if hf.shared_expert is not None:
         out = out + hf.shared_expert(x, dtype)
     return out.reshape(shape)

@@ -67,7 +67,9 @@ def apply_act(gate, up, alpha, limit, ACT: tl.constexpr):
     elif ACT == "gelu_no_mul":
         return 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476))
     elif ACT == "relu2_no_mul":
-        h = tl.maximum(gate, 0.0)
+        # selects, not tl.maximum/minimum: the GPU's float max returns the other operand for a
+        # NaN, and the NaN policy (validation.py) wants a NaN input to stay NaN, as in PyTorch
+        h = tl.where(gate < 0.0, 0.0, gate)
         return h * h
     elif ACT == "silu":
         return gate * tl.sigmoid(gate) * up
@@ -78,8 +80,8 @@ def apply_act(gate, up, alpha, limit, ACT: tl.constexpr):
         z = tl.minimum(tl.maximum(z, -15.0), 15.0)  # tanh(15) is 1 in fp32; avoids exp overflow
         return 0.5 * gate * (2.0 * tl.sigmoid(2.0 * z)) * up  # 1 + tanh(z) = 2 sigmoid(2z)
     else:  # swigluoai
-        g = tl.minimum(gate, limit)
-        u = tl.minimum(tl.maximum(up, -limit), limit)
+        g = tl.where(gate > limit, limit, gate)
+        u = tl.where(up > limit, limit, tl.where(up < -limit, -limit, up))
         return (u + 1.0) * g * tl.sigmoid(alpha * g)
 
 
