@@ -43,9 +43,11 @@ import torch.nn.functional as F
 
 from .activations import apply_activation
 from .config import Activation, MoEConfig
+from .experts.grouped_mm import FP8_ROWWISE, row_scales
 from .presets import PRESETS, preset_config, preset_router
 from .quant import QTensor, QuantScheme
 from .quant.scheme import QDtype
+from .timing import FlushTimer
 from .weights import ExpertWeights
 
 DEFAULT_TOKENS = (1, 16, 64, 256, 1024, 4096, 16384)
@@ -119,61 +121,6 @@ def roofline(config: MoEConfig, t: int, hit: float, bytes_per_expert: float, rat
 
 
 # ---- timing --------------------------------------------------------------------------------
-
-
-class Timer:
-    """Median GPU time of a layer call: CUDA-graph replays or eager calls, L2 flushed before each.
-
-    ``fns`` holds one callable per input set; calls rotate through them. The flush (a write of
-    ``flush_mb`` MiB) runs before each start event, outside the timed span.
-    """
-
-    def __init__(self, flush_mb: int = 512, target_ms: float = 200.0) -> None:
-        self.flush = torch.empty(flush_mb << 20, dtype=torch.int8, device="cuda")
-        self.target_ms = target_ms
-
-    @staticmethod
-    def capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):  # warm up (compiles) off the capture stream, as PyTorch advises
-            fn()
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        return g
-
-    def _spans(self, runs: list[Callable[[], object]], n: int) -> list[float]:
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-        for i in range(n):
-            self.flush.zero_()
-            starts[i].record()
-            runs[i % len(runs)]()
-            ends[i].record()
-        torch.cuda.synchronize()
-        return [s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]
-
-    def time(self, fns: list[Callable[[], object]], graph: bool = True) -> tuple[float, str]:
-        """(median ms, mode); mode is 'graph', or 'eager' when asked or when capture failed."""
-        runs, mode, graphs = list(fns), "eager", []
-        if graph:
-            try:
-                graphs = [self.capture(f) for f in fns]
-                runs, mode = [g.replay for g in graphs], "graph"
-            except Exception as e:  # host synchronisation inside: timed eagerly, and said so
-                torch.cuda.synchronize()
-                print(f"  capture failed, timing eagerly: {type(e).__name__}: {e}"[:240])
-                graphs = []
-        for r in runs:  # warm (compiles in eager mode)
-            r()
-        est = statistics.median(self._spans(runs, 3 * len(runs)))
-        n = int(min(500, max(10 * len(runs), self.target_ms / max(est + 0.15, 1e-3))))
-        ms = statistics.median(self._spans(runs, n))
-        del graphs
-        return ms, mode
 
 
 def kernel_breakdown(fn: Callable[[], object], iters: int = 5) -> list[tuple[str, float, float]]:
@@ -261,16 +208,6 @@ def _rowwise_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x.float() / s).to(torch.float8_e4m3fn), s.squeeze(1)
 
 
-def _channel_scales(q: QTensor, n: int) -> torch.Tensor | None:
-    """[E, N] fp32 per-output-row scales of an fp8 weight (per-tensor ones broadcast); None if
-    the weight's scales vary along K (blocks): no PyTorch grouped GEMM takes those."""
-    e = q.shape[0]
-    s = q.scale.float().reshape(e, -1)
-    if s.shape[1] == 1:
-        return s.expand(e, n).contiguous()
-    return s if s.shape[1] == n else None
-
-
 class TorchGroupedMM:
     """The layer in PyTorch ops around ``torch._grouped_mm`` / ``torch._scaled_grouped_mm``."""
 
@@ -278,12 +215,10 @@ class TorchGroupedMM:
         self.config = config
         self.fp8 = scheme.w1 is not None
         if self.fp8:
-            ok = scheme.w1.dtype is QDtype.FP8 and scheme.a1 is not None and scheme.a1.dtype is QDtype.FP8
-            s13 = _channel_scales(weights.w13, config.w13_rows) if ok else None
-            s2 = _channel_scales(weights.w2, config.hidden_size) if ok else None
-            if s13 is None or s2 is None or not hasattr(torch, "_scaled_grouped_mm"):
+            # the schemes PyTorch's row-wise fp8 grouped GEMM serves, as our grouped_mm backend
+            if scheme.name not in FP8_ROWWISE or not hasattr(torch, "_scaled_grouped_mm"):
                 raise NotImplementedError(f"PyTorch has no grouped GEMM for {scheme.name}")
-            self.s13, self.s2 = s13, s2
+            self.s13, self.s2 = row_scales(weights.w13, scheme.w1), row_scales(weights.w2, scheme.w2)
         elif not hasattr(torch, "_grouped_mm"):
             raise NotImplementedError("this PyTorch has no torch._grouped_mm")
         self.w13 = weights.w13.data.transpose(1, 2)  # [E, H, 2I], column-major as the op wants
@@ -377,7 +312,7 @@ def run_bench(
         f"ceilings: copy {bw / 1e12:.2f} TB/s, bf16 {ceil['bf16_flop_per_s'] / 1e12:.0f} TFLOP/s, "
         f"fp8 {ceil['fp8_flop_per_s'] / 1e12:.0f} TFLOP/s on {ceil['gpu']}"
     )
-    timer = Timer()
+    timer = FlushTimer()
     rows: list[Row] = []
     for preset in presets:
         config = preset_config(preset)
@@ -407,7 +342,7 @@ def run_bench(
                         modes.append(False)
                     for use_graph in modes:
                         try:
-                            ms, mode = timer.time(fns, graph=use_graph)
+                            ms, mode = timer.median_ms(fns, graph=use_graph)
                         except Exception as e:  # a provider that cannot run this shape is reported
                             print(f"{preset} {sname} T={t} {name}: failed: {e!r}"[:300])
                             continue
@@ -425,7 +360,7 @@ def run_bench(
                             nbytes / (ms * 1e-3) / 1e12,
                             flops / (ms * 1e-3) / 1e12,
                             hit,
-                            cmd + ("" if graph else " --eager"),
+                            cmd + (" --eager" if mode == "eager" else ""),
                         )
                         if name == "fusedmoe" and mode == "graph" and parts:
                             row.kernels = kernel_breakdown(fns[0])

@@ -55,6 +55,7 @@ from .experts.base import TokenLayout, WeightedReduce
 from .metadata import TopK
 from .quant import QTensor, QuantScheme
 from .testing import random_topk
+from .timing import capture_graph
 from .weights import ExpertWeights
 
 DISPATCHERS = {c.name: c for c in (AllGatherReduceScatterDispatcher, All2AllDispatcher, All2AllLowLatencyDispatcher)}
@@ -140,16 +141,7 @@ def everyone(ok: bool) -> bool:
 def capture(fn, warmup: int = 2):
     """(graph of ``fn``, error string): warm up on a side stream, then capture on this rank."""
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(warmup):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        return graph, ""
+        return capture_graph(fn, warmup), ""
     except Exception as e:
         return None, f"{type(e).__name__}: {e}"[:300]
 

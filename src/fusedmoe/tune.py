@@ -60,6 +60,7 @@ from .kernels.tuned_configs import PACKAGE_DIR, clear_cache, config_path
 from .presets import preset_config
 from .quant import QuantScheme, quantize
 from .testing import random_topk, rel_error
+from .timing import FlushTimer
 
 SPACES = {
     # 96 configs before the BM and GROUP_M filters: 12-24 per decode step, 60-96 per prefill step
@@ -512,34 +513,10 @@ class _GraphTimer:
     A launch that cannot be captured is timed eagerly."""
 
     def __init__(self) -> None:
-        self.flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
-        self.side = torch.cuda.Stream()
-
-    def _spans(self, run, n: int) -> list[float]:
-        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
-        for s, e in ev:
-            self.flush.zero_()
-            s.record()
-            run()
-            e.record()
-        torch.cuda.synchronize()
-        return [s.elapsed_time(e) for s, e in ev]
+        self.timer = FlushTimer(flush_mb=256)
 
     def __call__(self, cfg, fn, target_ms: float) -> float:
-        run = fn
-        self.side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.side):  # warm up off the capture stream, as PyTorch advises
-            fn()
-        torch.cuda.current_stream().wait_stream(self.side)
-        try:
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                fn()
-            run = g.replay
-        except RuntimeError:
-            torch.cuda.synchronize()
-        est = statistics.median(self._spans(run, 3))
-        return statistics.median(self._spans(run, int(min(2000, max(5, target_ms / (est + 0.1))))))
+        return self.timer.median_ms([fn], target_ms=target_ms, max_reps=2000, warmup=1)[0]
 
 
 def _no_timer(cfg, fn, target_ms: float) -> float:

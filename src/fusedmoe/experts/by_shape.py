@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..oracle.thresholds import crossover_for, grouped_mm_first
+from ..oracle.thresholds import crossover_for, tokens_per_expert
 from ..platform import current_platform
 from .base import Experts, TokenLayout, WeightedReduce
 from .grouped_mm import GroupedMMExperts
@@ -54,6 +54,8 @@ class TritonOrGroupedMMExperts(Experts):
     def __init__(self, config, scheme, *, platform=None) -> None:
         super().__init__(config, scheme)
         self.platform = platform or current_platform()
+        # the rule is fixed for the layer: looked up once, compared per call (host time only)
+        self.crossover = crossover_for(self.platform, scheme, config)
         self.triton = TritonExperts(config, scheme)
         self.grouped_mm = GroupedMMExperts(config, scheme)
 
@@ -69,9 +71,10 @@ class TritonOrGroupedMMExperts(Experts):
 
     def part_for(self, num_tokens: int) -> Experts:
         """The backend a call of ``num_tokens`` tokens runs on."""
-        if self.deterministic:
+        rule = self.crossover
+        if self.deterministic or rule is None:
             return self.triton
-        first, _ = grouped_mm_first(self.platform, self.scheme, self.config, num_tokens)
+        first = tokens_per_expert(self.config, num_tokens) >= rule.tokens_per_expert
         return self.grouped_mm if first else self.triton
 
     def workspace(self, num_tokens: int, num_local_experts: int):

@@ -68,7 +68,7 @@ def _schemes() -> frozenset[str]:
     return frozenset({"bf16"} | (FP8_ROWWISE if _SCALED_GROUPED_MM is not None else set()))
 
 
-def _row_scales(q: QTensor, tq) -> torch.Tensor:
+def row_scales(q: QTensor, tq) -> torch.Tensor:
     """Weight scales [E, N] fp32 (per-channel as is, per-tensor broadcast), as _scaled_grouped_mm takes them."""
     e, n = q.shape[0], q.shape[1]
     return q.scale.float().reshape(e, -1).expand(e, n).contiguous()
@@ -79,7 +79,7 @@ def _b_operand(q: QTensor, tq, layout: str) -> tuple[torch.Tensor, torch.Tensor 
     if layout == LAYOUT:
         return q.data, q.scale
     expect(layout == "reference", "weights.layout", f"'reference' or '{LAYOUT}'", layout)
-    return q.data.transpose(1, 2), None if tq is None else _row_scales(q, tq)
+    return q.data.transpose(1, 2), None if tq is None else row_scales(q, tq)
 
 
 class GroupedMMExperts(Experts):
@@ -125,7 +125,7 @@ class GroupedMMExperts(Experts):
         expect(weights.layout == "reference", "weights.layout", "'reference'", weights.layout)
 
         def conv(q, tq):
-            scale = None if tq is None else _row_scales(q, tq)
+            scale = None if tq is None else row_scales(q, tq)
             return QTensor(q.data.transpose(1, 2), q.shape, scale=scale)
 
         sch = self.scheme

@@ -53,6 +53,11 @@ GROUPED_MM_CROSSOVER: dict[tuple[str, str], Crossover | None] = {
 }
 
 
+def tokens_per_expert(config: MoEConfig, num_tokens: int) -> float:
+    """T*K/E: the rows of each expert's GEMMs, the key of a crossover."""
+    return num_tokens * config.top_k / config.num_experts
+
+
 def crossover_for(platform: Platform, scheme: QuantScheme, config: MoEConfig) -> Crossover | None:
     """The measured crossover that applies to this platform, scheme family and I, or None."""
     rule = GROUPED_MM_CROSSOVER.get((platform.arch, scheme.family))
@@ -79,7 +84,7 @@ def grouped_mm_first(
             f"shape rule: triton before grouped_mm (no token count given; crossover "
             f"{rule.tokens_per_expert} tokens per expert on {key[0]})"
         )
-    per_expert = num_tokens * config.top_k / config.num_experts
+    per_expert = tokens_per_expert(config, num_tokens)
     first = per_expert >= rule.tokens_per_expert
     order = "grouped_mm before triton" if first else "triton before grouped_mm"
     return first, (
