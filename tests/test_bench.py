@@ -118,6 +118,10 @@ def test_w4a16_speedups_and_markdown(tmp_path):
     assert "| p | int4_g128 | 1 | fusedmoe | graph | 0.2500 |" in md
     assert "3.60x" in md and "2.00x" in md
     assert "_grouped_gemm_kernel x2 30.0 us" in md
+    assert "Not run" not in md
+    md = to_markdown(rows, {**meta, "not_run": ["gpt-oss-20b int4_g128: hidden_size=2880 is not a multiple"]})
+    assert "Not run (the scheme cannot store the preset's weights): gpt-oss-20b int4_g128" in md
+    assert md.index("Not run") < md.index("| preset | scheme |")
     pytest.importorskip("matplotlib")
     path = tmp_path / "bench.png"
     assert plot(rows, meta, str(path))

@@ -1,21 +1,29 @@
 """moe_align: the Triton kernels equal moe_align_ref exactly, and both keep the
-AlignedRouting invariants, on the labelled edge cases."""
+AlignedRouting invariants, on the labelled edge cases.
+
+Both launch paths run on every case: the one-program kernel (T*K <= 1024, every decode
+step) and the three-kernel pipeline, forced with ``one_launch``. BM goes down to 1: a
+decode GEMM path will use BM in {1, 2, 4, 8}."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from fusedmoe.errors import FusedMoEError
+from fusedmoe.kernels import align as align_mod
 from fusedmoe.kernels._common import interpreting
 from fusedmoe.kernels.align import moe_align, moe_align_launch, moe_align_ref
 from fusedmoe.metadata import AlignedRouting
-from fusedmoe.testing import EDGE_CASES, random_topk
+from fusedmoe.testing import EDGE_CASES, poison_, random_topk
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 needs_triton = pytest.mark.skipif(not (HAS_CUDA or interpreting()), reason="needs a CUDA GPU or TRITON_INTERPRET=1")
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 FIELDS = ("sorted_ids", "block_expert", "num_padded", "expert_counts")
+BLOCK_MS = [1, 2, 4, 8, 16, 64]
+PATHS = {"one_launch": True, "three_kernels": False}
 
 
 def check_invariants(r: AlignedRouting, topk_ids: torch.Tensor, e_l: int, expert_map=None) -> None:
@@ -54,16 +62,76 @@ def _ids(case, seed=0):
     return random_topk(case.t, case.e, case.k, g, case.routing)[0]
 
 
+class _PoisoningTorch:
+    """``torch`` for align.py whose ``empty`` returns poisoned buffers, so unwritten outputs show."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*a, **k):
+        return poison_(torch.empty(*a, **k))
+
+
 @needs_triton
-@pytest.mark.parametrize("block_m", [16, 32])
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("block_m", BLOCK_MS)
 @pytest.mark.parametrize("case", EDGE_CASES, ids=[c.label for c in EDGE_CASES])
-def test_align_kernel_equals_ref(case, block_m):
+def test_align_kernel_equals_ref(case, block_m, path, monkeypatch):
     ids = _ids(case).to(DEVICE)
-    got = moe_align_launch(ids, case.e, block_m)
+    monkeypatch.setattr(align_mod, "torch", _PoisoningTorch())
+    got = moe_align_launch(ids, case.e, block_m, one_launch=PATHS[path])
     ref = moe_align_ref(ids, case.e, block_m)
     for f in FIELDS:
         assert torch.equal(getattr(got, f), getattr(ref, f)), f
     check_invariants(got, ids, case.e)
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Names of the align kernels launched, in order."""
+    names = []
+
+    class Counting:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            names.append(self.name)
+            return self.kernel[grid]
+
+    for n in ("_align_one_kernel", "_align_count_kernel", "_align_offsets_kernel", "_align_scatter_kernel"):
+        monkeypatch.setattr(align_mod, n, Counting(n, getattr(align_mod, n)))
+    return names
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "label,t,e,k,block_m,launched",
+    [
+        ("decode_T1", 1, 8, 2, 16, 1),
+        ("decode_T64_dsv3", 64, 256, 8, 1, 1),
+        ("TK_1024_max_one_chunk", 128, 64, 8, 64, 1),
+        ("TK_1025_two_chunks", 205, 16, 5, 16, 3),
+    ],
+)
+def test_align_launch_count(label, t, e, k, block_m, launched, launches):
+    """One launch while all pairs fit one chunk (T*K <= 1024), three beyond; same outputs."""
+    g = torch.Generator().manual_seed(6)
+    ids = random_topk(t, e, k, g)[0].to(DEVICE)
+    got = moe_align_launch(ids, e, block_m)
+    assert len(launches) == launched, launches
+    ref = moe_align_ref(ids, e, block_m)
+    for f in FIELDS:
+        assert torch.equal(getattr(got, f), getattr(ref, f)), f
+    check_invariants(got, ids, e)
+
+
+@needs_triton
+def test_align_one_launch_needs_one_chunk():
+    ids = random_topk(50, 7, 3, torch.Generator().manual_seed(1))[0].to(DEVICE)
+    with pytest.raises(FusedMoEError, match="one_launch"):
+        moe_align_launch(ids, 7, 16, chunk=16, one_launch=True)
 
 
 @needs_triton
@@ -72,15 +140,17 @@ def test_align_many_chunks(chunk):
     """Pairs of one expert spread over several chunks keep flat-index order."""
     g = torch.Generator().manual_seed(1)
     ids = random_topk(50, 7, 3, g)[0].to(DEVICE)  # 150 pairs, prime E
-    got = moe_align_launch(ids, 7, 16, chunk=chunk)
+    got = moe_align_launch(ids, 7, 16, chunk=chunk)  # several chunks: the three kernels
     ref = moe_align_ref(ids, 7, 16)
     for f in FIELDS:
         assert torch.equal(getattr(got, f), getattr(ref, f)), f
 
 
 @needs_triton
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("block_m", [1, 4, 16])
 @pytest.mark.parametrize("label", ["some_local", "none_local"])
-def test_align_expert_map(label):
+def test_align_expert_map(label, block_m, path):
     """expert_map with -1s: non-local pairs appear nowhere; local ids are renumbered."""
     g = torch.Generator().manual_seed(2)
     ids = random_topk(13, 8, 3, g)[0].to(DEVICE)
@@ -88,17 +158,18 @@ def test_align_expert_map(label):
         emap = torch.tensor([-1, 0, -1, 1, 2, -1, -1, 3], dtype=torch.int32, device=DEVICE)
     else:
         emap = torch.full((8,), -1, dtype=torch.int32, device=DEVICE)
-    got = moe_align_launch(ids, 4, 16, expert_map=emap)
-    ref = moe_align_ref(ids, 4, 16, expert_map=emap)
+    got = moe_align_launch(ids, 4, block_m, expert_map=emap, one_launch=PATHS[path])
+    ref = moe_align_ref(ids, 4, block_m, expert_map=emap)
     for f in FIELDS:
         assert torch.equal(getattr(got, f), getattr(ref, f)), f
     check_invariants(got, ids, 4, emap)
 
 
+@pytest.mark.parametrize("block_m", [1, 16])
 @pytest.mark.parametrize("case", EDGE_CASES, ids=[c.label for c in EDGE_CASES])
-def test_align_ref_invariants(case):
+def test_align_ref_invariants(case, block_m):
     ids = _ids(case, seed=3)
-    check_invariants(moe_align_ref(ids, case.e, 16), ids, case.e)
+    check_invariants(moe_align_ref(ids, case.e, block_m), ids, case.e)
 
 
 def test_align_cpu_path_is_ref(monkeypatch):
@@ -113,7 +184,8 @@ def test_align_cpu_path_is_ref(monkeypatch):
 @needs_cuda
 @pytest.mark.parametrize(
     "t,e,k,block_m",
-    [(1, 8, 2, 16), (77, 64, 8, 16), (512, 64, 8, 64), (4096, 256, 8, 128), (3000, 16, 1, 32)],
+    [(1, 8, 2, 16), (64, 256, 8, 1), (64, 256, 8, 8), (77, 64, 8, 16), (512, 64, 8, 64), (4096, 256, 8, 128)]
+    + [(3000, 16, 1, 32)],
 )
 @pytest.mark.parametrize("with_map", [False, True])
 def test_align_real_shapes(t, e, k, block_m, with_map):

@@ -252,11 +252,15 @@ def test_gemm_with_kernel_alignment():
 # ---- batched layout ----------------------------------------------------------------
 
 
-def run_batched(scheme, counts, m_max, n, kd, *, bias=True, weighted=True, out_dtype=torch.float32, seed=0):
+def run_batched(
+    scheme, counts, m_max, n, kd, *, bias=True, weighted=True, out_dtype=torch.float32, seed=0, strided=False
+):
     gen = torch.Generator().manual_seed(seed)
     e = len(counts)
     ops = make_operands(scheme, m_max, e, n, kd, gen, batch=(e,))
     cnt = torch.tensor(counts, dtype=torch.int32, device=DEVICE)
+    if strided:  # a column of a [E, 3] table, as the low-latency dispatcher's running counts give
+        cnt = torch.stack([cnt + 7, cnt, cnt - 7], dim=1)[:, 1]
     b = (torch.randn(e, n, generator=gen) * 0.1).to(DEVICE) if bias else None
     rw = torch.rand(e, m_max, generator=gen).to(DEVICE) if weighted else None
     out = poison_(torch.empty(e, m_max, n, dtype=out_dtype, device=DEVICE))
@@ -270,6 +274,13 @@ def run_batched(scheme, counts, m_max, n, kd, *, bias=True, weighted=True, out_d
 def test_batched_scheme(scheme):
     """counts: a partial tile, an empty expert, a full slab (M_max = 20 is not a tile multiple)."""
     run_batched(scheme, [5, 0, 20], m_max=20, n=64, kd=128)
+
+
+@needs_triton
+def test_batched_counts_may_be_a_strided_view():
+    """The EP low-latency dispatcher handed a [E] column view of a [E, N] table: the kernel read
+    counts[e] at counts + e (4-GPU NCCL check, unwritten rows); the launcher makes it contiguous."""
+    run_batched(QuantScheme.by_name("bf16"), [5, 0, 20], m_max=20, n=64, kd=128, strided=True)
 
 
 # ---- launch configs ----------------------------------------------------------------

@@ -40,7 +40,18 @@ def _json(path):
 
 def test_candidates_keep_small_tiles_for_decode():
     dec = candidates("quick", 8, 64)  # 8 pairs over 64 experts
-    assert dec and all(c.block_m == 16 for c in dec)
+    assert dec and {c.block_m for c in dec} == {1, 2, 16}  # the FMA path: BM <= twice the rows (1)
+    assert {c.block_m for c in candidates("quick", 4 * 64, 64)} == {1, 2, 4, 8, 16}  # 4 rows per expert
+    assert min(c.block_m for c in candidates("quick", 16 * 64, 64)) == 16  # past DECODE_ROWS: tensor cores
+    assert all(c.block_m == 16 for c in candidates("tiny", 8, 64))
+    pinned = candidates("quick", 8, 64, block_m=1)  # GEMM2 under GEMM1's BM 1: the FMA grid only
+    assert (
+        pinned
+        and {c.block_m for c in pinned} == {1}
+        and len(pinned)
+        == len(tune.DECODE_SPACE["block_n"]) * len(tune.DECODE_SPACE["block_k"]) * len(tune.DECODE_SPACE["num_stages"])
+    )
+    assert {c.block_m for c in candidates("quick", 8, 64, block_m=16)} == {16}
     assert any(c.block_m == 128 for c in candidates("quick", 64 * 512, 64))
     assert candidates("quick", 4096, 8, block_m=32) and all(c.block_m == 32 for c in candidates("quick", 4096, 8, 32))
 
@@ -49,6 +60,14 @@ def test_group_m_only_where_an_expert_has_several_tiles():
     assert {c.group_m for c in candidates("quick", 8, 64)} == {1}  # 0.125 rows per expert
     many = candidates("quick", 64 * 512, 64)  # 512 rows per expert: several tiles at every BM
     assert {c.group_m for c in many} == {1, 8} and len(many) == 96
+
+
+def test_combos_whose_scheme_cannot_store_the_shape_are_refused_with_the_reason():
+    kept, refused = tune._storable([Combo("gpt-oss-20b", "int4_g128"), Combo("gpt-oss-20b", "mxfp4")])
+    assert [c.scheme for c in kept] == ["mxfp4"]  # H = I = 2880: 90 groups of 32, 22.5 of 128
+    assert len(refused) == 1 and "gpt-oss-20b int4_g128" in refused[0] and "group size 128" in refused[0]
+    with pytest.raises(Exception, match="scheme"):
+        tune._storable([Combo("gpt-oss-20b", "no_such_scheme")])
 
 
 def test_steps_interleave_so_gemm2_compiles_during_the_next_gemm1():
@@ -198,7 +217,7 @@ def test_budget_keeps_the_heuristics_neighbourhood_and_puts_extra_token_counts_l
     run, ranked, queued = plan(tune.WRITE_RESERVE_S + 3.0)  # no time: the heuristic's neighbourhood
     assert run.fraction(0) == 0.0 and queued == heads(ranked, keep)
     assert max(len(v) for v in ranked.values()) > keep
-    run, ranked, queued = plan(200.0)  # (cost-model priors, no workers) time for the first phase, not the extra
+    run, ranked, queued = plan(250.0)  # (cost-model priors, no workers) time for the first phase, not the extra
     assert run.fraction(0) == 1.0 and run.fraction(len(run.passes) - 1) < 1.0
 
 
@@ -219,6 +238,25 @@ def test_files_are_written_by_rename(tmp_path, monkeypatch):
         tune.write_combo(cr, tmp_path, "cpu-interpreter")
     assert [p.read_text() for p in paths] == before  # the old file, whole
     assert sorted(tmp_path.rglob("*")) == sorted({*paths, *(p.parent for p in paths), *(p.parents[1] for p in paths)})
+
+
+def test_a_run_of_some_token_counts_keeps_the_others(tmp_path):
+    def combo(cfgs: dict) -> tune.ComboResult:
+        cr = tune.ComboResult(Combo("tiny-a", "bf16"), e=4, shapes={"w13": (64, 64, "bf16"), "w2": (64, 32, "bf16")})
+        for t, cfg in cfgs.items():
+            for g in ("w13", "w2"):
+                cr.steps[(g, t)] = tune.StepResult(g, t, 2 * t, cfg, 0.1, cfg, 0.2, planned=2, kept=2)
+        return cr
+
+    a, b, c = LaunchConfig(16, 64, 32, 1, 4, 2), LaunchConfig(32, 64, 32, 1, 4, 2), LaunchConfig(1, 32, 128, 1, 4, 3)
+    tune.write_combo(combo({1: a, 64: b}), tmp_path, "cpu-interpreter")
+    paths = tune.write_combo(combo({1: c}), tmp_path, "cpu-interpreter")  # re-tunes T = 1 only
+    for p in paths:
+        data = _json(p)
+        assert list(data["configs"]) == ["2", "128"] and list(data["ms"]) == ["2", "128"]
+        assert LaunchConfig(**data["configs"]["2"]) == c and LaunchConfig(**data["configs"]["128"]) == b
+    other = tune.write_combo(combo({1: a}), tmp_path, "another-gpu")  # another GPU's file: its own
+    assert all(list(_json(p)["configs"]) == ["2"] for p in other)
 
 
 # ---- the workers compile what the main process runs ---------------------------------------

@@ -46,7 +46,7 @@ from .config import Activation, MoEConfig
 from .experts.grouped_mm import FP8_ROWWISE, row_scales
 from .presets import PRESETS, preset_config, preset_router
 from .quant import QTensor, QuantScheme
-from .quant.scheme import QDtype
+from .quant.scheme import QDtype, shape_supported
 from .timing import FlushTimer
 from .weights import ExpertWeights
 
@@ -319,6 +319,11 @@ def run_bench(
         router, biased = preset_router(preset)
         for sname in schemes:
             scheme = QuantScheme.by_name(sname)
+            why = shape_supported(scheme, config.hidden_size, config.intermediate_size)
+            if why:  # e.g. gpt-oss-20b's H = 2880 is no whole number of int4 groups of 128
+                ceil.setdefault("not_run", []).append(f"{preset} {sname}: {why}")
+                print(f"{preset} {sname}: not run: {why}", flush=True)
+                continue
             weights = bench_weights(config, scheme, "cuda")
             per_expert, rate = _weight_bytes_per_expert(weights), matmul_rate(scheme, ceil)
             impls = _implementations(config, scheme, weights, providers, max(tokens))
@@ -463,6 +468,8 @@ def to_markdown(rows: list[Row], meta: dict) -> str:
         "| experts hit | launches |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    if meta.get("not_run"):
+        lines[-3:-3] = ["Not run (the scheme cannot store the preset's weights): " + "; ".join(meta["not_run"]), ""]
     for r in rows:
         launches = "" if r.launches is None else f"{r.launches:.0f}"
         lines.append(

@@ -1,7 +1,8 @@
 """Routing: router logits [T, E] -> ``TopK`` (ids int32 [T, K], weights float32 [T, K]).
 
-This plain-PyTorch ``route`` is the reference every fused routing kernel is
-checked against. Everything is computed in float32, whatever the logits dtype::
+``RouterConfig.route(..., fused=False)``, in plain PyTorch, is the reference every
+fused routing kernel is checked against. Everything is computed in float32, whatever
+the logits dtype::
 
     scores  = softmax(logits) over E      (scoring='softmax')
             | sigmoid(logits)              (scoring='sigmoid')
@@ -22,7 +23,16 @@ wins, for experts and for groups alike (a stable descending sort, since
 experts by decreasing ``choice`` (equal ones by increasing id).
 
 softmax + renormalize equals gpt-oss's "top-k of the logits, then softmax over
-those k". NaN logits give unspecified choices.
+those k". NaN logits give unspecified choices (the ids of a row stay distinct and in
+[0, E)).
+
+Two implementations: this one (``fused=False``; 6-25 small PyTorch kernels) and
+``fusedmoe.kernels.route`` (one Triton launch; ``fused=True``), which gives the same
+ids wherever no two choices are within float32 rounding of each other, and weights
+within a few float32 ulps. ``fused=None`` (the default) takes the kernel when the
+logits are on a CUDA device, there is no ``custom_fn``, E <= 1024
+(``kernels.route.MAX_EXPERTS``) and ``FUSEDMOE_FUSED_ROUTING`` is not "0"; on the CPU
+(the Triton interpreter included) it stays in PyTorch.
 
 ``custom_fn(logits, top_k) -> (weights [T, K], ids [T, K])`` replaces all of
 the above (the other settings must keep their defaults). Its result's shapes and
@@ -35,6 +45,7 @@ synchronises with the device, which would also break a ``torch.compile`` graph.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
@@ -44,7 +55,9 @@ from .errors import expect
 from .metadata import TopK
 from .validation import check_values_enabled
 
-__all__ = ["SCORINGS", "RouterConfig", "route"]
+__all__ = ["ENV_FUSED_ROUTING", "SCORINGS", "RouterConfig", "route"]
+
+ENV_FUSED_ROUTING = "FUSEDMOE_FUSED_ROUTING"  # "0": never take the fused kernel by default
 
 SCORINGS = ("softmax", "sigmoid")
 
@@ -159,11 +172,14 @@ class RouterConfig:
         correction_bias: torch.Tensor | None = None,
         *,
         check_values: bool = False,
+        fused: bool | None = None,
     ) -> TopK:
         """router_logits [T, E] (any float dtype) -> TopK; correction_bias [E] or None.
 
         check_values: also check a ``custom_fn``'s result's values (a host sync; see the
         module docstring). ``FUSEDMOE_CHECK_VALUES=1`` turns it on too.
+        fused: True runs the fused kernel (an error names what it cannot do), False the
+        PyTorch reference, None picks as the module docstring says.
         """
         logits = router_logits
         expect(
@@ -188,6 +204,10 @@ class RouterConfig:
                 f"a floating tensor of shape ({self.num_experts},)",
                 getattr(correction_bias, "shape", type(correction_bias)),
             )
+        if self._use_fused(logits, fused):
+            from .kernels.route import fused_route
+
+            return fused_route(logits, self, correction_bias)
         if self.custom_fn is not None:
             return self._route_custom(logits, check_values_enabled(check_values))
 
@@ -206,6 +226,23 @@ class RouterConfig:
         if self.routed_scaling_factor != 1.0:
             weights = weights * self.routed_scaling_factor
         return TopK(ids=ids.to(torch.int32).contiguous(), weights=weights.contiguous())
+
+    def _use_fused(self, logits: torch.Tensor, fused: bool | None) -> bool:
+        expect(fused is None or isinstance(fused, bool), "fused", "None, True or False", fused)
+        if fused is False:
+            return False
+        if fused is None:
+            # the cheap tests first: on the CPU nothing below is imported or read
+            if not logits.is_cuda or self.custom_fn is not None or not _fused_routing_enabled():
+                return False
+            from .kernels.route import unsupported_reason
+
+            return unsupported_reason(self, logits) is None
+        from .kernels.route import unsupported_reason
+
+        reason = unsupported_reason(self, logits)
+        expect(reason is None, "RouterConfig.route(fused=True)", reason)
+        return True
 
     def _mask_groups(self, choice: torch.Tensor, two_best: bool) -> torch.Tensor:
         """``choice`` with the experts outside each token's TG best groups set to -inf."""
@@ -252,6 +289,12 @@ class RouterConfig:
         return TopK(ids=ids.to(torch.int32).contiguous(), weights=weights.to(torch.float32).contiguous())
 
 
+@torch.compiler.assume_constant_result
+def _fused_routing_enabled() -> bool:
+    """``FUSEDMOE_FUSED_ROUTING`` is not "0" (read once per trace while compiling)."""
+    return os.environ.get(ENV_FUSED_ROUTING, "1") != "0"
+
+
 def _topk_ids(values: torch.Tensor, k: int) -> torch.Tensor:
     """int64 [T, k]: columns of the k largest values per row; ties -> lower column first."""
     return torch.sort(values, dim=-1, descending=True, stable=True).indices[:, :k]
@@ -269,11 +312,12 @@ def route(
     routed_scaling_factor: float = 1.0,
     custom_fn: CustomRoutingFn | None = None,
     check_values: bool = False,
+    fused: bool | None = None,
 ) -> TopK:
     """Route ``router_logits`` [T, E] to ``top_k`` experts per token (see the module docstring).
 
     Equivalent to ``RouterConfig(E, top_k, ...).route(router_logits, correction_bias,
-    check_values=check_values)``.
+    check_values=check_values, fused=fused)``.
     """
     expect(
         isinstance(router_logits, torch.Tensor) and router_logits.dim() == 2,
@@ -291,4 +335,4 @@ def route(
         routed_scaling_factor=routed_scaling_factor,
         custom_fn=custom_fn,
     )
-    return cfg.route(router_logits, correction_bias, check_values=check_values)
+    return cfg.route(router_logits, correction_bias, check_values=check_values, fused=fused)

@@ -59,6 +59,7 @@ from .kernels.launch_config import LaunchConfig, default_launch_config, fit_laun
 from .kernels.tuned_configs import PACKAGE_DIR, clear_cache, config_path
 from .presets import preset_config
 from .quant import QuantScheme, quantize
+from .quant.scheme import shape_supported
 from .testing import random_topk, rel_error
 from .timing import FlushTimer
 
@@ -83,6 +84,18 @@ SPACES = {
     # for tests under the interpreter: two candidates
     "tiny": dict(block_m=(16,), block_n=(32, 64), block_k=(32,), group_m=(1,), num_warps=(4,), num_stages=(2,)),
 }
+# Steps with at most DECODE_ROWS rows per expert also try the FMA path (BM < 16: no tensor cores,
+# the W tile reduced in fp32 as stored), 4-24 more candidates each; BM beyond twice the rows per
+# expert only multiplies the FMA work, so those are left out.
+DECODE_SPACE = dict(
+    block_m=(1, 2, 4, 8),
+    block_n=(32, 64, 128),
+    block_k=(128, 256),
+    group_m=(1,),
+    num_warps=(4,),
+    num_stages=(3, 4),
+)
+DECODE_ROWS = 8
 ALL_PRESETS = ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3", "gpt-oss-20b")  # ``--preset all``
 SCHEMES = ("bf16", "fp8_tensor", "fp8_block")  # ``--scheme all``
 TOLERANCE = 1e-2  # a candidate's output vs the heuristic config's
@@ -96,7 +109,8 @@ MIN_STEP_S = 2.0
 
 
 def candidates(space: str, m_pairs: int, num_experts: int, block_m: int | None = None) -> list[LaunchConfig]:
-    """The space's configs whose BM suits the rows per expert (at most 4x the need, at least 16).
+    """The space's configs whose BM suits the rows per expert (at most 4x the need, at least 16),
+    and for decode steps (``DECODE_ROWS``) the FMA path's (BM < 16, at most twice the rows).
 
     ``block_m`` pins BM: the layer aligns the pairs once, with GEMM1's BM, and GEMM2 runs
     on that alignment, so GEMM2 is tuned under the BM GEMM1 chose (tuning it freely
@@ -105,16 +119,25 @@ def candidates(space: str, m_pairs: int, num_experts: int, block_m: int | None =
     tiles so the M tiles of one expert share W[e] in L2; with one tile per expert every
     order reads the same bytes (this halves the decode steps' candidates).
     """
-    grid = dict(SPACES[space])
-    if block_m is not None:
-        grid["block_m"] = (block_m,)
     rows = m_pairs / max(1, num_experts)
+    grids = [dict(SPACES[space])]
+    if space != "tiny" and rows <= DECODE_ROWS:
+        grids.append(dict(DECODE_SPACE))
     need = max(16, 4 * m_pairs // max(1, num_experts))
     out = []
-    for vals in itertools.product(*grid.values()):
-        cfg = LaunchConfig(**dict(zip(grid, vals, strict=True)))
-        if (cfg.block_m <= need or cfg.block_m == 16) and (cfg.group_m == 1 or rows > cfg.block_m):
-            out.append(cfg)
+    for grid in grids:
+        if block_m is not None:
+            if (block_m < 16) != (grid["block_m"][0] < 16):
+                continue
+            grid["block_m"] = (block_m,)
+        for vals in itertools.product(*grid.values()):
+            cfg = LaunchConfig(**dict(zip(grid, vals, strict=True)))
+            if cfg.block_m < 16:
+                ok = block_m is not None or cfg.block_m <= max(1, 2 * math.ceil(rows))
+            else:
+                ok = cfg.block_m <= need or cfg.block_m == 16
+            if ok and (cfg.group_m == 1 or rows > cfg.block_m):
+                out.append(cfg)
     return out
 
 
@@ -582,6 +605,7 @@ class TuneReport:
     workers: int
     combos: list = field(default_factory=list)
     skipped: list = field(default_factory=list)  # steps never finished
+    unsupported: list = field(default_factory=list)  # combos whose scheme cannot store the shape
     fractions: list = field(default_factory=list)  # budget fraction kept, per step
     stopped: str | None = None
     wall_s: float = 0.0
@@ -921,8 +945,22 @@ def _write_json(path: Path, data: dict) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def _kept_entries(path: Path, head: dict) -> dict:
+    """The per-pair-count entries of an existing file for the same GPU, scheme and shape (a run
+    that tunes some token counts keeps the others); nothing if there is none or it differs."""
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if any(old.get(f) != head[f] for f in ("gpu", "scheme", "E", "N", "K")):
+        return {}
+    return {f: dict(old.get(f) or {}) for f in ("configs", "ms", "heuristic_ms")}
+
+
 def write_combo(cr: ComboResult, out_dir: Path | str, gpu: str, space: str = "quick") -> list[Path]:
-    """One JSON per GEMM of the combo, with the token counts whose two GEMMs finished."""
+    """One JSON per GEMM of the combo, with the token counts whose two GEMMs finished, merged
+    into the entries of other token counts an existing file for the same shape holds (both
+    GEMMs' files get the same counts replaced, so GEMM2 stays tuned under GEMM1's BM)."""
     import triton
 
     tokens = cr.finished_tokens()
@@ -931,23 +969,20 @@ def write_combo(cr: ComboResult, out_dir: Path | str, gpu: str, space: str = "qu
         n, k, key = cr.shapes[gemm]
         rs = [cr.steps[(gemm, t)] for t in tokens]
         path = config_path(out_dir, gpu, key, cr.e, n, k)
-        _write_json(
-            path,
-            {
-                "gpu": gpu,
-                "scheme": key,
-                "E": cr.e,
-                "N": n,
-                "K": k,
-                "triton": triton.__version__,
-                "torch": torch.__version__,
-                "date": time.strftime("%Y-%m-%d"),
-                "space": space,
-                "configs": {str(r.pairs): asdict(r.cfg) for r in rs},
-                "ms": {str(r.pairs): round(r.ms, 5) for r in rs},
-                "heuristic_ms": {str(r.pairs): round(r.heuristic_ms, 5) for r in rs},
-            },
-        )
+        head = {"gpu": gpu, "scheme": key, "E": cr.e, "N": n, "K": k}
+        data = {
+            **head,
+            "triton": triton.__version__,
+            "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d"),
+            "space": space,
+            "configs": {str(r.pairs): asdict(r.cfg) for r in rs},
+            "ms": {str(r.pairs): round(r.ms, 5) for r in rs},
+            "heuristic_ms": {str(r.pairs): round(r.heuristic_ms, 5) for r in rs},
+        }
+        for f, entries in _kept_entries(path, head).items():
+            data[f] = dict(sorted({**entries, **data[f]}.items(), key=lambda kv: int(kv[0])))
+        _write_json(path, data)
         paths.append(path)
     clear_cache()
     return paths
@@ -990,6 +1025,8 @@ def _summary(rep: TuneReport) -> str:
         lines.append("")
     if rep.skipped:
         lines += [f"Not tuned ({rep.stopped or 'failed'}): " + "; ".join(rep.skipped), ""]
+    if rep.unsupported:
+        lines += ["Not tunable (the scheme cannot store the shape): " + "; ".join(rep.unsupported), ""]
     lines.append("Config: BM,BN,BK,GROUP_M,warps,stages. x: heuristic ms / tuned ms (same run, CUDA-graph replays).")
     return "\n".join(lines)
 
@@ -1000,6 +1037,21 @@ def _summary(rep: TuneReport) -> str:
 def parse_presets(text: str) -> list[str]:
     """'all' -> the four shipped presets; else a comma list."""
     return list(ALL_PRESETS) if text == "all" else [p for p in text.split(",") if p]
+
+
+def _storable(combos: list[Combo]) -> tuple[list[Combo], list[str]]:
+    """(combos whose scheme can store the preset's weights, "<combo>: why not" for the others),
+    e.g. gpt-oss-20b's H = I = 2880 is no whole number of int4 groups of 128. A typo in a preset
+    or scheme name fails here, before any work."""
+    kept, refused = [], []
+    for c in combos:
+        config = c.config()
+        why = shape_supported(QuantScheme.by_name(c.scheme), config.hidden_size, config.intermediate_size)
+        if why:
+            refused.append(f"{c.name}: {why}")
+        else:
+            kept.append(c)
+    return kept, refused
 
 
 def tune_many(
@@ -1027,10 +1079,7 @@ def tune_many(
     every preset's shape."""
     tokens = sorted({int(t) for t in tokens})
     extra = sorted({int(t) for t in extra_tokens} - set(tokens))
-    combos = [Combo(p, s, tuple(sorted(overrides.items()))) for p in presets for s in schemes]
-    for c in combos:  # a typo fails before any work
-        c.config()
-        QuantScheme.by_name(c.scheme)
+    combos, refused = _storable([Combo(p, s, tuple(sorted(overrides.items()))) for p in presets for s in schemes])
     if workers is None:
         workers = min(12, max(1, (os.cpu_count() or 4) - 2)) if device == "cuda" else 0
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu-interpreter"
@@ -1041,7 +1090,11 @@ def tune_many(
         run = _Run(combos, tokens, extra, space=space, device=device, out_dir=Path(out_dir or PACKAGE_DIR), gpu=gpu,
                    budget_s=budget_s, pool=pool, timer=timer, clock=clock, knobs=knobs)  # fmt: skip
         run.log(f"tuning {len(combos)} combos at T={tokens} then T={extra} on {gpu}, {workers} compile workers")
-        return run.execute()
+        for r in refused:
+            run.log(f"not tuned: {r}")
+        rep = run.execute()
+        rep.unsupported = refused
+        return rep
     finally:
         pool.close()
 
@@ -1054,12 +1107,12 @@ def tune(preset: str, scheme_name: str, tokens, *, out_dir=None, space="quick", 
 def plan_summary(presets, schemes, tokens, space="quick", workers=12, top=3, retime_ms=60.0) -> str:
     """Candidates per combo at full size (GEMM2 at the heuristic's BM), the distinct compiles, and
     the cost model's wall time: what ``--dry-run`` prints before any GPU time is spent."""
-    combos = [Combo(p, s) for p in presets for s in schemes]
+    combos, refused = _storable([Combo(p, s) for p in presets for s in schemes])
     device = "cuda" if torch.cuda.is_available() else "cpu"
     run = _Run(combos, sorted(set(tokens)), (), space=space, device=device, out_dir=None, gpu="", budget_s=None,
                pool=_WarmPool(0), timer=_no_timer, clock=time.monotonic, knobs=(8.0, retime_ms, top))  # fmt: skip
     run.plan_all()
-    lines, n = [], 0
+    lines, n = [f"not tunable: {r}" for r in refused], 0
     for ci, c in enumerate(combos):
         m = sum(len(v) if isinstance(v, list) else v for k, v in run.plan.items() if k[0] == ci)
         lines.append(f"{c.name}: {m} candidates")

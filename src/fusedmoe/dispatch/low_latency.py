@@ -250,11 +250,15 @@ def _running_counts(keys: torch.Tensor, bins: int) -> tuple[torch.Tensor, torch.
     """(c, total): c[n, j] = rows n' <= n holding key keys[n, j] (int32 [N, J]), total int32 [bins].
 
     Each key appears at most once per row, except keys whose count is not used (a token picks
-    an expert once; received rows repeat only the no-expert bin). A one-hot [N, bins] and its
-    cumulative sum: 4 kernels, ranks in row order (deterministic), no sort.
+    an expert once; received rows repeat only the no-expert bin). A one-hot [bins, N] and its
+    cumulative sum along N: 4 kernels, ranks in row order (deterministic), no sort. The one-hot
+    is laid out bins-major so the scan runs along its contiguous dimension: PyTorch scans an
+    outer dimension with one thread per column walking the rows one by one, which made the
+    low-latency dispatch grow by ~1.2 us per token (EP4, H200: 285 us at 128 tokens per rank,
+    4.96 ms at 4096, against 99 us and 1.17 ms for all2all).
     """
     n = keys.shape[0]
-    hot = torch.zeros(n, bins, dtype=torch.int32, device=keys.device).scatter_(1, keys, 1)
-    cs = hot.cumsum(0, dtype=torch.int32)
-    total = cs[-1] if n else torch.zeros(bins, dtype=torch.int32, device=keys.device)
-    return cs.gather(1, keys), total
+    hot = torch.zeros(bins, n, dtype=torch.int32, device=keys.device).scatter_(0, keys.t(), 1)
+    cs = hot.cumsum(1, dtype=torch.int32)
+    total = cs[:, -1].contiguous() if n else torch.zeros(bins, dtype=torch.int32, device=keys.device)
+    return cs.gather(0, keys.t()).t(), total

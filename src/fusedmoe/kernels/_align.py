@@ -13,6 +13,10 @@ Three launches, no host synchronisation:
 
 Pairs of one expert land in increasing flat-index order: chunks are laid out
 in order by the prefix sums of (2) and each chunk is sorted by index in (3).
+
+When all pairs fit one chunk (T*K <= 1024: every decode step), ``_align_one_kernel``
+does the same work in ONE program and one launch: histogram, offsets and
+``block_expert``, sentinel fill, scatter. Same outputs, bit for bit.
 """
 
 from __future__ import annotations
@@ -30,6 +34,17 @@ def _local_expert(topk_ids_ptr, expert_map_ptr, offs, num_pairs, E_G, E_L, HAS_M
         in_range = ok & (e >= 0) & (e < E_G)
         e = tl.load(expert_map_ptr + e, mask=in_range, other=-1)
     return tl.where((e >= 0) & (e < E_L), e, BINS - 1)
+
+
+@triton.jit
+def _block_experts(block_expert_ptr, end, num_padded, num_blocks, BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr):
+    """block_expert[b] for every block: the number of runs that end at or before its first slot
+    (padding bins have end == num_padded, so they never count for s < num_padded); -1 past the end."""
+    for b0 in range(0, num_blocks, BLOCK_B):
+        b = b0 + tl.arange(0, BLOCK_B)
+        s = b * BLOCK_M
+        ex = tl.sum((end[None, :] <= s[:, None]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + b, tl.where(s < num_padded, ex, -1), mask=b < num_blocks)
 
 
 @triton.jit
@@ -92,13 +107,7 @@ def _align_offsets_kernel(
         tl.store(chunk_base_ptr + c * BINS + bins, run - (tl.cumsum(cnt, 0) - cnt))
         run += cnt
 
-    # The expert of the block starting at slot s is the number of runs that end at or before s
-    # (padding bins have end == num_padded, so they never count for s < num_padded).
-    for b0 in range(0, num_blocks, BLOCK_B):
-        b = b0 + tl.arange(0, BLOCK_B)
-        s = b * BLOCK_M
-        ex = tl.sum((end[None, :] <= s[:, None]).to(tl.int32), axis=1)
-        tl.store(block_expert_ptr + b, tl.where(s < num_padded, ex, -1), mask=b < num_blocks)
+    _block_experts(block_expert_ptr, end, num_padded, num_blocks, BLOCK_M, BLOCK_B)
 
 
 @triton.jit
@@ -123,3 +132,55 @@ def _align_scatter_kernel(
     e_s = key // CHUNK
     dest = tl.load(chunk_base_ptr + c * BINS + e_s) + i
     tl.store(sorted_ids_ptr + dest, c * CHUNK + key % CHUNK, mask=e_s < E_L)
+
+
+@triton.jit
+def _align_one_kernel(
+    topk_ids_ptr,
+    expert_map_ptr,
+    base_ptr,  # int32 [BINS] scratch: each expert's base slot, read back by other threads
+    sorted_ids_ptr,  # int32 [P] out
+    block_expert_ptr,  # int32 [num_blocks] out
+    num_padded_ptr,  # int32 [1] out
+    expert_counts_ptr,  # int32 [E_L] out
+    num_pairs,
+    num_slots,
+    num_blocks,
+    E_G,
+    E_L,
+    HAS_MAP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,  # >= num_pairs
+    BINS: tl.constexpr,
+    FILL: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
+    """The three kernels above in one program (grid (1,)), for num_pairs <= CHUNK."""
+    i = tl.arange(0, CHUNK)
+    e = _local_expert(topk_ids_ptr, expert_map_ptr, i, num_pairs, E_G, E_L, HAS_MAP, BINS)
+    bins = tl.arange(0, BINS)
+    is_expert = bins < E_L
+    total = tl.where(is_expert, tl.histogram(e, BINS), 0)
+    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    end = tl.cumsum(padded, 0)
+    num_padded = tl.sum(padded, 0)
+    tl.store(expert_counts_ptr + bins, total, mask=is_expert)
+    tl.store(num_padded_ptr, num_padded)
+    _block_experts(block_expert_ptr, end, num_padded, num_blocks, BLOCK_M, BLOCK_B)
+
+    # base[e] = (first slot of e) - (first position of e among the pairs sorted by expert)
+    tl.store(base_ptr + bins, end - padded - (tl.cumsum(total, 0) - total))
+    sentinel = tl.zeros([FILL], dtype=tl.int32) + num_pairs
+    for s0 in range(0, num_slots, FILL):
+        o = s0 + tl.arange(0, FILL)
+        tl.store(sorted_ids_ptr + o, sentinel, mask=o < num_slots)
+    # One barrier for two hazards between threads of this program: the fill above and the
+    # scatter below write the same slots from different threads (without it a late fill
+    # store could overwrite a pair's index), and each thread reads base[] entries that other
+    # threads stored. bar.sync orders and makes visible the block's global-memory accesses.
+    tl.debug_barrier()
+
+    key = tl.sort(e * CHUNK + i)  # by (expert, flat index), as in _align_scatter_kernel
+    e_s = key // CHUNK
+    dest = tl.load(base_ptr + e_s) + i
+    tl.store(sorted_ids_ptr + dest, key % CHUNK, mask=e_s < E_L)

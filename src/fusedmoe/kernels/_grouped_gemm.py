@@ -7,13 +7,13 @@ One program computes a BM x BN tile of C = A_rows @ W[e]^T for one expert e:
                      sorted_id // a_div, C row = sorted_id (padding slots: none)
     batched layout:  rows m0..m0+BM of expert e's [M_max, K] slab, up to counts[e]
 
-Operands meet the tensor cores in one of two ways (constexpr ``NATIVE``):
+Operands meet in one of three ways (constexprs ``NATIVE`` and ``FMA``):
 
-* w8a8 (fp8 x fp8, int8 x int8): the stored bytes go to ``tl.dot``; scales that
-  vary along K (1 x g activation groups, bn x bk weight blocks) multiply each
+* w8a8 (fp8 x fp8, int8 x int8), BM >= 16: the stored bytes go to ``tl.dot``; scales
+  that vary along K (1 x g activation groups, bn x bk weight blocks) multiply each
   K step's partial product (BK divides the group, so one scale per step), the
   others (tensor, token, channel) multiply the accumulator once at the end.
-* everything else: both tiles are dequantized in registers to DOT_DTYPE (the
+* everything else, BM >= 16: both tiles are dequantized in registers to DOT_DTYPE (the
   model dtype, bf16 for quantized activations, fp32 under the interpreter whose
   bf16 dot is wrong) with per-K scales folded in; e2m1 x e8m0/e4m3 and e4m3 x
   e8m0 products are exact in bf16, so only int4 and folded fp8/int8 group
@@ -22,6 +22,18 @@ Operands meet the tensor cores in one of two ways (constexpr ``NATIVE``):
   transposed for the dot; 4-bit codes come from whole-byte loads split with
   join/reshape: loading each nibble's byte as a [BK, BN] tile ran 17x slower
   (int4, 16 tokens, E 64, N 1536, K 2048 on an H100: 1411 vs 82 us).
+* decode tiles, BM < 16 (``FMA = BLOCK_M < 16``: block_m 1, 2, 4 or 8), every format: no
+  tensor cores. Why: ``tl.dot`` needs 16 rows, so at decode (about 1 row per expert) 15 of
+  them were padding, and the transpose, the bf16 round trip and the dot-operand layout
+  conversions of the dequantized W tile made the 4-bit paths latency/ALU-bound: Mixtral-8x7B
+  int4 at T = 1 took 0.230 ms on an H100 against a 0.062 ms memory floor, no faster than
+  bf16 (0.289 ms). Here W is dequantized as stored, [BN, BK] with K contiguous, by the same
+  ``_w_tile`` code, and kept in fp32 (no cast, no transpose); A is dequantized to fp32; per-K
+  scales are folded into both tiles as above (w8a8 too: both sides become fp32, so products
+  are exact and sums fp32; the other scales still multiply at the end). Each of the BM A rows
+  is then broadcast against the W tile and reduced over K (``_fma_rows``). Expected effect:
+  the weight-only 4-bit paths move towards their bandwidth floor at T = 1 (to be measured),
+  and BM = 1 drops moe_align's padding rows. Everything after the K loop is shared.
 
 Then bias, then the router weight, then one store in C's dtype.
 
@@ -108,14 +120,18 @@ def _w_tile(
     ACT_ORDER: tl.constexpr,
     HAS_ZERO: tl.constexpr,
     NATIVE: tl.constexpr,
+    FMA: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """The [BK, BN] dot operand of W[e] rows ``cols`` (W stored [N, K]) at K step k0: the
-    stored bytes (NATIVE) or the values dequantized to DOT_DTYPE with per-K scales folded in."""
+    """W[e] rows ``cols`` (W stored [N, K]) at K step k0 as an operand.
+
+    Dot path: the [BK, BN] dot operand, the stored bytes (NATIVE) or the values dequantized
+    to DOT_DTYPE with per-K scales folded in. FMA: the dequantized fp32 values as stored,
+    [BN, BK] (every format takes the dequantizing branch; NATIVE is False there)."""
     W_PACKED: tl.constexpr = W_FMT == "int4" or W_FMT == "mxfp4" or W_FMT == "nvfp4"
-    if NATIVE or W_FMT == "float":
+    if (NATIVE or W_FMT == "float") and not FMA:
         b = tl.load(
             w_base + offs_k[:, None] * stride_wk + cols[None, :] * stride_wn,
             mask=k_ok[:, None] & col_ok[None, :],
@@ -127,7 +143,7 @@ def _w_tile(
             b = b.to(DOT_DTYPE)
     else:
         # Dequantized as stored, [BN, BK] with K contiguous (vector loads of whole bytes),
-        # then transposed for the dot.
+        # then transposed for the dot (FMA: used as it is, in fp32).
         w_rows = w_base + cols * stride_wn
         if W_PACKED:
             wt = unpack_nibbles(w_rows, col_ok, k0, KD, stride_wk, BLOCK_N, BLOCK_K)
@@ -156,8 +172,43 @@ def _w_tile(
             if W_FMT == "int4" and not HAS_ZERO:
                 wt -= 8.0
             wt = wt * s_w
-        b = tl.trans(wt.to(DOT_DTYPE))
+        if FMA:
+            b = wt
+        else:
+            b = tl.trans(wt.to(DOT_DTYPE))
     return b
+
+
+@triton.jit
+def _fma_rows(acc, acc_u, a, w, w_u, GATED: tl.constexpr, BLOCK_M: tl.constexpr):
+    """acc [BM, BN] + a [BM, BK] @ w [BN, BK]^T in fp32 without tensor cores (BM < 16), and
+    acc_u + a @ w_u^T (the up rows) under a gated activation.
+
+    One A row at a time: row r (a select-and-sum over the BM rows) is broadcast along W's
+    rows, multiplied, reduced over K, and the [BN] result lands in row r of acc. Register
+    use, from ptxas for sm_90 on offline compiles of this kernel (4 warps, 3 stages):
+
+    * the dequantized W tile stays in registers for all BM rows, and a broadcast row costs
+      each thread only the K values its W elements meet, dying after its row; a 3-D
+      [BM, BN, BK] broadcast product instead holds BM products at once: bf16, BN 64, BK 128
+      spilled from BM 4 (255 registers + 360 B; BM 8: + 2214 B) where this loop takes 128
+      (BM 8: 157);
+    * gate and up share one pass over A: a pass each kept every broadcast row live from the
+      first to the second (int4 g128 silu, BN 32, BK 128: BM 4 230 vs 132, BM 8 spilled
+      3 KB vs 159);
+    * BM = 1 takes its row by a 1-D reshape, whose layout the compiler chooses freely: bf16
+      BN 64 BK 256 needed 96 registers, 168 with the 2-D row.
+    """
+    rows = tl.arange(0, BLOCK_M)[:, None]
+    for r in tl.static_range(BLOCK_M):
+        if BLOCK_M == 1:
+            a_r = tl.reshape(a, [a.shape[1]])[None, :]
+        else:
+            a_r = tl.sum(tl.where(rows == r, a, 0.0), axis=0)[None, :]
+        acc = tl.where(rows == r, acc + tl.sum(w * a_r, axis=1)[None, :], acc)
+        if GATED:
+            acc_u = tl.where(rows == r, acc_u + tl.sum(w_u * a_r, axis=1)[None, :], acc_u)
+    return acc, acc_u
 
 
 @triton.jit
@@ -182,7 +233,7 @@ def _mac(
     INT_ACC: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
 ):
-    """acc + a @ b for W rows ``cols``, with native w8a8's per-K scales on the partial product."""
+    """acc + a @ b (tl.dot) for W rows ``cols``, with native w8a8's per-K scales on the partial product."""
     if NATIVE and (A_GROUP > 0 or W_BK > 0):
         if W_FMT == "int8":
             part = tl.dot(a, b, out_dtype=tl.int32).to(tl.float32)
@@ -303,13 +354,13 @@ def _grouped_gemm_kernel(
     HAS_W_GSCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
-    NATIVE: tl.constexpr,
+    NATIVE: tl.constexpr,  # w8a8: the stored bytes feed tl.dot (BM >= 16)
     DOT_DTYPE: tl.constexpr,
     ACT: tl.constexpr,  # "none" | an Activation value, applied in the epilogue
     INTERLEAVED: tl.constexpr,  # gated ACT: gate/up are W rows 2n, 2n+1 (else n, N + n)
     OUT_QUANT: tl.constexpr,  # "none" | "fp8" | "int8": C quantized with c_scale_ptr
     EXACT_CAST: tl.constexpr,  # the interpreter: encode fp8 by hand (see _common.e4m3_bits)
-    BLOCK_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # < 16: the FMA path (module docstring)
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
@@ -364,7 +415,11 @@ def _grouped_gemm_kernel(
     g_base = w_gidx_ptr + e * stride_ge
     A_PACKED: tl.constexpr = A_FMT == "nvfp4"
     A_PER_K: tl.constexpr = A_GROUP > 0
-    INT_ACC: tl.constexpr = NATIVE and W_FMT == "int8" and not A_PER_K and not W_BK > 0
+    # Decode tiles multiply in fp32 without tensor cores; w8a8 is dequantized there too.
+    FMA: tl.constexpr = BLOCK_M < 16
+    NATIVE_DOT: tl.constexpr = NATIVE and not FMA
+    OP_DTYPE: tl.constexpr = tl.float32 if FMA else DOT_DTYPE
+    INT_ACC: tl.constexpr = NATIVE_DOT and W_FMT == "int8" and not A_PER_K and not W_BK > 0
     if INT_ACC:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
     else:
@@ -381,32 +436,39 @@ def _grouped_gemm_kernel(
             a = tl.load(a_row_ptr[:, None] + offs_k[None, :] * stride_ak, mask=row_ok[:, None] & k_ok[None, :], other=0)
             if A_FMT == "fp8" or A_FMT == "mxfp8":
                 a = a.to(tl.float8e4nv, bitcast=True)  # e4m3 arrives as uint8: masked loads need other=0
-        if not NATIVE:
+        if not NATIVE_DOT:
             if A_PER_K:
                 s_a = _k_scales(as_row_ptr, row_ok, k0, KD, stride_ask, A_FMT, A_GROUP, BLOCK_M, BLOCK_K)
-                a = (a.to(tl.float32) * s_a).to(DOT_DTYPE)
+                a = (a.to(tl.float32) * s_a).to(OP_DTYPE)
             else:
-                a = a.to(DOT_DTYPE)
-        # ---- W tile(s) [BK, BN] and multiply-accumulate
+                a = a.to(OP_DTYPE)
+        # ---- W tile(s) and multiply-accumulate: the dot path multiplies each [BK, BN] tile as
+        # it comes; FMA dequantizes the [BN, BK] gate (and up) tiles, then makes one pass over
+        # A's rows for both accumulators (_fma_rows)
         b = _w_tile(
             w_base, ws_base, wz_base, g_base, g_cols, n_ok, k0, offs_k, k_ok, KD,
             stride_wn, stride_wk, stride_wsn, stride_wsk, stride_gk,
-            W_FMT, W_BN, W_BK, ACT_ORDER, HAS_ZERO, NATIVE, DOT_DTYPE, BLOCK_N, BLOCK_K,
+            W_FMT, W_BN, W_BK, ACT_ORDER, HAS_ZERO, NATIVE_DOT, FMA, OP_DTYPE, BLOCK_N, BLOCK_K,
         )  # fmt: skip
-        acc = _mac(
-            acc, a, b, as_row_ptr, row_ok, ws_base, g_cols, n_ok, k0, stride_ask, stride_wsn, stride_wsk,
-            W_FMT, A_GROUP, W_BN, W_BK, NATIVE, INT_ACC, DOT_DTYPE,
-        )  # fmt: skip
+        if not FMA:
+            acc = _mac(
+                acc, a, b, as_row_ptr, row_ok, ws_base, g_cols, n_ok, k0, stride_ask, stride_wsn, stride_wsk,
+                W_FMT, A_GROUP, W_BN, W_BK, NATIVE_DOT, INT_ACC, OP_DTYPE,
+            )  # fmt: skip
+        b_u = b
         if GATED:
             b_u = _w_tile(
                 w_base, ws_base, wz_base, g_base, u_cols, n_ok, k0, offs_k, k_ok, KD,
                 stride_wn, stride_wk, stride_wsn, stride_wsk, stride_gk,
-                W_FMT, W_BN, W_BK, ACT_ORDER, HAS_ZERO, NATIVE, DOT_DTYPE, BLOCK_N, BLOCK_K,
+                W_FMT, W_BN, W_BK, ACT_ORDER, HAS_ZERO, NATIVE_DOT, FMA, OP_DTYPE, BLOCK_N, BLOCK_K,
             )  # fmt: skip
-            acc_u = _mac(
-                acc_u, a, b_u, as_row_ptr, row_ok, ws_base, u_cols, n_ok, k0, stride_ask, stride_wsn, stride_wsk,
-                W_FMT, A_GROUP, W_BN, W_BK, NATIVE, INT_ACC, DOT_DTYPE,
-            )  # fmt: skip
+            if not FMA:
+                acc_u = _mac(
+                    acc_u, a, b_u, as_row_ptr, row_ok, ws_base, u_cols, n_ok, k0, stride_ask, stride_wsn, stride_wsk,
+                    W_FMT, A_GROUP, W_BN, W_BK, NATIVE_DOT, INT_ACC, OP_DTYPE,
+                )  # fmt: skip
+        if FMA:
+            acc, acc_u = _fma_rows(acc, acc_u, a, b, b_u, GATED, BLOCK_M)
 
     # ---- epilogue: remaining scales, bias, activation, router weight, store (quantized)
     acc = _scale_and_bias(

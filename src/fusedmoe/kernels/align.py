@@ -10,6 +10,10 @@ upper bound known on the host, the used length ``num_padded`` is a device tensor
 grouped GEMM skips blocks whose expert is -1, so no host synchronisation is needed and
 the op can be captured in a CUDA graph. Pairs of one expert keep increasing flat-index
 order, so the result is deterministic and equal to ``moe_align_ref``.
+
+Launches: one when T*K <= 1024 (all pairs in one chunk: every decode step; the three
+phases run in one program), else three (count, offsets, scatter; see ``_align.py``).
+At decode each launch costs 2-4 us on an H100, more than the work itself.
 """
 
 from __future__ import annotations
@@ -19,11 +23,12 @@ import triton
 
 from ..errors import expect
 from ..metadata import AlignedRouting
-from ._align import _align_count_kernel, _align_offsets_kernel, _align_scatter_kernel
+from ._align import _align_count_kernel, _align_offsets_kernel, _align_one_kernel, _align_scatter_kernel
 from ._common import interpreting
 
 # Pairs per program of the count and scatter kernels. 1024 keeps the sort of one chunk
-# in registers with 4 warps; a decode step (T*K <= 64) uses one small chunk.
+# in registers with 4 warps; a decode step (T*K <= 64 x 8) uses one small chunk, and so
+# one launch of _align_one_kernel.
 _MAX_CHUNK = 1024
 _FILL = 1024  # sentinel slots written per program and loop step
 _BLOCK_B = 64  # blocks labelled per step of the offsets kernel
@@ -45,9 +50,13 @@ def moe_align_launch(
     block_m: int,
     expert_map: torch.Tensor | None = None,
     chunk: int | None = None,
+    one_launch: bool | None = None,
 ) -> AlignedRouting:
-    """Allocate the outputs and run the three align kernels. ``chunk`` (a power of 2)
-    overrides the pairs per program; tests use small chunks to cover many programs."""
+    """Allocate the outputs and run the align kernels: ``_align_one_kernel`` when all pairs
+    fit one chunk, else the three-kernel pipeline. ``chunk`` (a power of 2) overrides the
+    pairs per program; tests use small chunks to cover many programs. ``one_launch``:
+    None picks as just said; False forces the three kernels even for one chunk; True
+    requires one chunk. Both give the same outputs."""
     t, k = topk_ids.shape
     num_pairs = t * k
     num_slots = AlignedRouting.max_padded(num_pairs, num_local_experts, block_m)
@@ -57,6 +66,9 @@ def moe_align_launch(
         chunk = min(_MAX_CHUNK, max(16, triton.next_power_of_2(num_pairs)))
     expect(chunk >= 16 and chunk & (chunk - 1) == 0, "chunk", "a power of 2 >= 16", chunk)
     num_chunks = max(1, triton.cdiv(num_pairs, chunk))
+    if one_launch is None:
+        one_launch = num_chunks == 1
+    expect(not one_launch or num_chunks == 1, "one_launch", f"T*K ({num_pairs}) <= chunk ({chunk})", one_launch)
     bins = triton.next_power_of_2(num_local_experts + 1)  # last bin collects non-local pairs
 
     ids = topk_ids.contiguous()
@@ -67,9 +79,33 @@ def moe_align_launch(
     block_expert = torch.empty(num_blocks, dtype=torch.int32, device=dev)
     num_padded = torch.empty(1, dtype=torch.int32, device=dev)
     expert_counts = torch.empty(num_local_experts, dtype=torch.int32, device=dev)
-    chunk_counts = torch.empty(num_chunks, bins, dtype=torch.int32, device=dev)
-    chunk_base = torch.empty(num_chunks, bins, dtype=torch.int32, device=dev)
+    chunk_base = torch.empty(num_chunks, bins, dtype=torch.int32, device=dev)  # the one kernel's scratch too
 
+    if one_launch:
+        _align_one_kernel[(1,)](
+            ids,
+            emap,
+            chunk_base,
+            sorted_ids,
+            block_expert,
+            num_padded,
+            expert_counts,
+            num_pairs,
+            num_slots,
+            num_blocks,
+            e_global,
+            num_local_experts,
+            HAS_MAP=has_map,
+            BLOCK_M=block_m,
+            CHUNK=chunk,
+            BINS=bins,
+            FILL=_FILL,
+            BLOCK_B=_BLOCK_B,
+            num_warps=4,
+        )
+        return AlignedRouting(sorted_ids, block_expert, num_padded, expert_counts, block_m, num_pairs)
+
+    chunk_counts = torch.empty(num_chunks, bins, dtype=torch.int32, device=dev)
     _align_count_kernel[(num_chunks,)](
         ids,
         emap,

@@ -28,7 +28,12 @@ Supported (activation x weight): float x float (bf16/fp16/fp32); fp8 x fp8 and i
 int8 with tensor/token activations or 1 x g groups and tensor/channel/block(bn, bk)
 weights; float x int8 (w8a16); float x int4 (groups, zero points, act-order); float /
 mxfp8 / fp8 x mxfp4; float / nvfp4 x nvfp4. Accumulation is fp32 (int32 for int8 x
-int8 without per-K scales).
+int8 without per-K scales on the tensor cores).
+
+The launch config's BM picks how operands meet: BM >= 16 through ``tl.dot`` (tensor
+cores), BM in 1, 2, 4, 8 by fp32 multiply-reduce for decode (every scheme, both layouts,
+the same epilogue; see ``_grouped_gemm``). BM is also ``moe_align``'s padding unit, so
+the standard layout's tile is the routing's block (``routing.block_m``).
 """
 
 from __future__ import annotations
@@ -230,7 +235,7 @@ def grouped_gemm_launch(
     n = n_w if act is None else act.out_cols(n_w)
     if batched:
         m_max = a.shape[1]
-        blocks_per_expert = triton.cdiv(m_max, cfg.block_m)
+        blocks_per_expert = triton.cdiv(m_max, cfg.block_m)  # BM = 1: one program per row
         num_m_blocks = e_l * blocks_per_expert
         num_pairs = 0
         a_str = a.stride()
@@ -271,6 +276,7 @@ def grouped_gemm_launch(
     )
     out_quant = "none" if act is None or act.quant is None else _OUT_QUANT[act.quant.dtype][0]
     c_scale = act_scale.reshape(1).float().contiguous() if out_quant != "none" else None
+    # the dot path's operand dtype; the FMA path (BM < 16) always multiplies in fp32
     if interpreting():
         dot_dtype = tl.float32  # the interpreter's bf16/fp16 dot multiplies raw bits
     elif fmt.a_fmt == "float":
@@ -522,6 +528,7 @@ def grouped_gemm_batched(
     )
     expect(w.shape[0] == e_l, "w", f"{e_l} experts (a is {tuple(a.shape)})", w.shape)
     expect(tuple(counts.shape) == (e_l,) and counts.dtype == torch.int32, "counts", f"int32 [{e_l}]", counts)
+    counts = counts.contiguous()  # the kernel reads counts[e] at counts_ptr + e (a strided view came from EP)
     if out is None:
         out = torch.empty(e_l, m_max, n, dtype=out_dtype, device=a.device)
     expect(tuple(out.shape) == (e_l, m_max, n), "out", f"shape {(e_l, m_max, n)}", tuple(out.shape))

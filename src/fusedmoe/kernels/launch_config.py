@@ -28,8 +28,12 @@ ENV_VAR = "FUSEDMOE_LAUNCH_CONFIG"
 class LaunchConfig:
     """Tile sizes and launch parameters of one grouped-GEMM launch.
 
-    block_m: BM, rows (sorted pairs) per tile; also the padding unit of ``moe_align``.
-    block_n / block_k: BN, BK. group_m: M tiles walked together for L2 reuse of W.
+    block_m: BM, rows (sorted pairs) per tile; also the padding unit of ``moe_align`` and
+    the row block of the batched layout. A power of 2: >= 16 multiplies with ``tl.dot``
+    (tensor cores); 1, 2, 4 or 8 selects the kernel's FMA path for decode (no tensor cores,
+    fp32 broadcast multiply-reduce; see ``_grouped_gemm``), and BM = 1 means no padding.
+    block_n / block_k: BN, BK, powers of 2 >= 16. group_m: M tiles walked together for L2
+    reuse of W.
     """
 
     block_m: int = 64
@@ -40,9 +44,16 @@ class LaunchConfig:
     num_stages: int = 3
 
     def __post_init__(self) -> None:
-        for f in ("block_m", "block_n", "block_k"):
+        bm = self.block_m
+        expect(
+            bm >= 1 and bm & (bm - 1) == 0,
+            "LaunchConfig.block_m",
+            "a power of 2: >= 16 for tl.dot tiles, or 1, 2, 4, 8 for the FMA (decode) path",
+            bm,
+        )
+        for f in ("block_n", "block_k"):
             v = getattr(self, f)
-            expect(v >= 16 and v & (v - 1) == 0, f"LaunchConfig.{f}", "a power of 2 >= 16 (tl.dot)", v)
+            expect(v >= 16 and v & (v - 1) == 0, f"LaunchConfig.{f}", "a power of 2 >= 16", v)
         for f in ("group_m", "num_warps", "num_stages"):
             expect(getattr(self, f) >= 1, f"LaunchConfig.{f}", ">= 1", getattr(self, f))
 
@@ -85,8 +96,16 @@ def default_launch_config(m_pairs: int, num_experts: int, n: int, k: int, scheme
     within 10% of each other for bf16/fp8/int8 (T=16: bf16 140 vs 138 us, fp8 block 80 vs
     88 us); MXFP4/NVFP4 at 16 rows preferred BM 64 (269 vs 360 us, measured before the
     current e2m1 decode). A tuned table will replace this.
+
+    4-bit weights at <= 0.5 rows per expert (T = 1 on every shipped preset) take the FMA
+    path (BM < 16): on an H100 the tuner picked BM 1, BN 32, BK 256, 4 warps for every such
+    GEMM it could try, 1.2-1.7x faster than the BM 16 dot config (int4 and MXFP4, four
+    presets, ``benchmarks/results/tune_h100_decode_2026-11-22.md``); at ~1 row per expert
+    (Qwen3 T = 16) the dot path won again. bf16 kept the dot path at every T.
     """
     rows_per_expert = m_pairs / max(1, num_experts)
+    if scheme_key in ("int4", "mxfp4", "nvfp4") and rows_per_expert <= 0.5:
+        return LaunchConfig(1, min(32, max(16, _pow2_at_least(n))), min(256, max(16, _pow2_at_least(k))), 1, 4, 4)
     if rows_per_expert <= 16:
         bm = 16
     elif rows_per_expert <= 48:
