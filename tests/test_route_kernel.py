@@ -25,7 +25,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from fusedmoe.errors import FusedMoEError
 from fusedmoe.kernels import route as route_mod
 from fusedmoe.kernels._common import interpreting
-from fusedmoe.kernels.route import MAX_EXPERTS, route_launch
+from fusedmoe.kernels.route import MAX_EXPERTS, route_launch, router_args
 from fusedmoe.metadata import TopK
 from fusedmoe.routing import ENV_FUSED_ROUTING, RouterConfig, route
 from fusedmoe.testing import poison_
@@ -157,18 +157,7 @@ def _run(path: str, router: RouterConfig, logits, bias) -> TopK:
         poison_(torch.empty(t, k, dtype=torch.int32, device=logits.device)),
         poison_(torch.empty(t, k, dtype=torch.float32, device=logits.device)),
     )
-    got = route_launch(
-        logits,
-        bias,
-        top_k=k,
-        scoring=router.scoring,
-        renormalize=router.renormalize,
-        num_expert_group=router.num_expert_group,
-        topk_group=router.topk_group,
-        routed_scaling_factor=router.routed_scaling_factor,
-        rows=1,
-        out=out,
-    )
+    got = route_launch(logits, bias, **router_args(router), rows=1, out=out)
     assert got.ids is out.ids and got.weights is out.weights
     return got
 
@@ -291,16 +280,7 @@ def test_nan_and_inf_rows_give_valid_distinct_ids(mode):
     logits[4, 5] = inf
     logits[5, :8] = inf
     for rows in (None, 1):
-        got = route_launch(
-            logits,
-            bias,
-            top_k=k,
-            scoring=router.scoring,
-            renormalize=router.renormalize,
-            num_expert_group=router.num_expert_group,
-            topk_group=router.topk_group,
-            rows=rows,
-        )
+        got = route_launch(logits, bias, **router_args(router), rows=rows)
         _check_valid(got, 8, e, k)
         # rows 6 and 7 are finite: NaN elsewhere in the batch changes nothing there
         ref = router.route(logits[6:], bias, fused=False)

@@ -30,7 +30,7 @@ from ..metadata import TopK
 from ._common import interpreting
 from ._route import _route_kernel
 
-__all__ = ["MAX_EXPERTS", "fused_route", "route_launch", "unsupported_reason"]
+__all__ = ["MAX_EXPERTS", "fused_route", "route_launch", "router_args", "unsupported_reason"]
 
 MAX_EXPERTS = 1024
 _NATIVE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -181,6 +181,18 @@ def _route_op_fake(logits, correction_bias, top_k, *args):
     return ids, logits.new_empty((t, top_k), dtype=torch.float32)
 
 
+def router_args(router) -> dict:
+    """``route_launch``'s routing arguments from a ``RouterConfig``, in the op's order."""
+    return dict(
+        top_k=router.top_k,
+        scoring=router.scoring,
+        renormalize=router.renormalize,
+        num_expert_group=router.num_expert_group,
+        topk_group=router.topk_group,
+        routed_scaling_factor=router.routed_scaling_factor,
+    )
+
+
 def fused_route(router_logits: torch.Tensor, router, correction_bias: torch.Tensor | None = None) -> TopK:
     """Route ``router_logits`` [T, E] as ``router`` (a ``RouterConfig`` without custom_fn) says,
     in one kernel launch. ``RouterConfig.route(..., fused=True)`` checks the inputs, then calls this.
@@ -189,14 +201,7 @@ def fused_route(router_logits: torch.Tensor, router, correction_bias: torch.Tens
     than the kernel); while ``torch.compile`` traces, the ``fusedmoe::route`` op goes in the
     graph, so ``fullgraph=True`` and CUDA graphs work.
     """
-    args = dict(
-        top_k=router.top_k,
-        scoring=router.scoring,
-        renormalize=router.renormalize,
-        num_expert_group=router.num_expert_group,
-        topk_group=router.topk_group,
-        routed_scaling_factor=router.routed_scaling_factor,
-    )
+    args = router_args(router)
     if torch.compiler.is_compiling():
         ids, weights = torch.ops.fusedmoe.route(router_logits, correction_bias, *args.values())
         return TopK(ids=ids, weights=weights)
