@@ -314,6 +314,7 @@ def run_bench(
     )
     timer = FlushTimer()
     rows: list[Row] = []
+    not_run: list[str] = []  # (preset, scheme) pairs the scheme cannot store, with the reason
     for preset in presets:
         config = preset_config(preset)
         router, biased = preset_router(preset)
@@ -321,7 +322,7 @@ def run_bench(
             scheme = QuantScheme.by_name(sname)
             why = shape_supported(scheme, config.hidden_size, config.intermediate_size)
             if why:  # e.g. gpt-oss-20b's H = 2880 is no whole number of int4 groups of 128
-                ceil.setdefault("not_run", []).append(f"{preset} {sname}: {why}")
+                not_run.append(f"{preset} {sname}: {why}")
                 print(f"{preset} {sname}: not run: {why}", flush=True)
                 continue
             weights = bench_weights(config, scheme, "cuda")
@@ -381,7 +382,9 @@ def run_bench(
             del weights, impls
             torch.cuda.empty_cache()
             if out_dir:
-                write_results(out_dir, rows, ceil)
+                write_results(out_dir, rows, {**ceil, "not_run": not_run})
+    if out_dir and not_run:  # the last pairs may have been the ones not run
+        write_results(out_dir, rows, {**ceil, "not_run": not_run})
     return rows
 
 

@@ -231,16 +231,14 @@ class RouterConfig:
         expect(fused is None or isinstance(fused, bool), "fused", "None, True or False", fused)
         if fused is False:
             return False
-        if fused is None:
-            # the cheap tests first: on the CPU nothing below is imported or read
-            if not logits.is_cuda or self.custom_fn is not None or not _fused_routing_enabled():
-                return False
-            from .kernels.route import unsupported_reason
-
-            return unsupported_reason(self, logits) is None
+        # auto: the cheap tests first, so on the CPU nothing below is imported or read
+        if fused is None and (not logits.is_cuda or self.custom_fn is not None or not _fused_routing_enabled()):
+            return False
         from .kernels.route import unsupported_reason
 
         reason = unsupported_reason(self, logits)
+        if fused is None:
+            return reason is None
         expect(reason is None, "RouterConfig.route(fused=True)", reason)
         return True
 

@@ -247,7 +247,8 @@ class All2AllLowLatencyDispatcher(EPDispatcher):
 
 
 def _running_counts(keys: torch.Tensor, bins: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(c, total): c[n, j] = rows n' <= n holding key keys[n, j] (int32 [N, J]), total int32 [bins].
+    """(c, total): c[n, j] = rows n' <= n holding key keys[n, j] (int32 [N, J], a strided view),
+    total int32 [bins], contiguous: copied once here, not by each batched GEMM that reads it.
 
     Each key appears at most once per row, except keys whose count is not used (a token picks
     an expert once; received rows repeat only the no-expert bin). A one-hot [bins, N] and its
