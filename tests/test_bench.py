@@ -10,7 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fusedmoe.bench import (
+from fusedmoe.config import MoEConfig
+from fusedmoe.metadata import TopK
+from fusedmoe.quant import QuantScheme
+from fusedmoe.testing import make_problem, poison_, rel_error, tolerance
+from fusedmoe.tools.bench import (
     COMPUTE_BAR,
     DECODE_BAR,
     MEMORY_BAR,
@@ -23,11 +27,7 @@ from fusedmoe.bench import (
     to_markdown,
     w4a16_speedups,
 )
-from fusedmoe.config import MoEConfig
-from fusedmoe.metadata import TopK
-from fusedmoe.presets import preset_config, preset_router
-from fusedmoe.quant import QuantScheme
-from fusedmoe.testing import make_problem, poison_, rel_error, tolerance
+from fusedmoe.tools.presets import preset_config, preset_router
 
 CONFIGS = {
     "silu": MoEConfig(num_experts=5, top_k=2, hidden_size=64, intermediate_size=32),

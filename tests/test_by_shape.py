@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from fusedmoe.config import MoEConfig
-from fusedmoe.experts.by_shape import TritonOrGroupedMMExperts
+from fusedmoe.experts import thresholds
+from fusedmoe.experts.triton_or_grouped_mm import TritonOrGroupedMMExperts
 from fusedmoe.metadata import TopK
-from fusedmoe.oracle import thresholds
 from fusedmoe.platform import Platform
 from fusedmoe.quant import QTensor, QuantScheme
 from fusedmoe.testing import make_problem, poison_, rel_error, tolerance
@@ -69,7 +69,7 @@ def test_measured_rule_on_gpu(sname):
         assert ex.part_for(t) is part
         p = make_problem(cfg, scheme, t, device="cuda")
         from fusedmoe.dispatch.local import LocalDispatcher
-        from fusedmoe.kernel import MoEKernel
+        from fusedmoe.modular.kernel import MoEKernel
 
         out = MoEKernel(LocalDispatcher(cfg, scheme), ex)(p.x, TopK(p.topk_ids, p.topk_weights), p.weights)
         err = rel_error(out, p.reference())

@@ -14,9 +14,9 @@ import torch
 from fusedmoe.api import fused_moe
 from fusedmoe.config import Activation, MoEConfig
 from fusedmoe.errors import UnsupportedError
+from fusedmoe.oracle.registry import dispatchers, experts_backends
 from fusedmoe.platform import current_platform
 from fusedmoe.quant import all_schemes
-from fusedmoe.registry import dispatchers, experts_backends
 from fusedmoe.testing import make_problem, poison_, rel_error, tolerance
 
 PLATFORM = current_platform()

@@ -15,16 +15,17 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from fusedmoe import api, ops
+from fusedmoe import api
 from fusedmoe.api import fused_moe
 from fusedmoe.config import MoEConfig
 from fusedmoe.dispatch.local import LocalDispatcher
 from fusedmoe.errors import FusedMoEError
 from fusedmoe.experts.cpu import CpuExperts
 from fusedmoe.experts.triton import TritonExperts
-from fusedmoe.kernel import MoEKernel
 from fusedmoe.layer import FusedMoE
 from fusedmoe.metadata import TopK
+from fusedmoe.modular import ops
+from fusedmoe.modular.kernel import MoEKernel
 from fusedmoe.quant import QuantScheme
 from fusedmoe.routing import RouterConfig
 from fusedmoe.testing import make_problem

@@ -18,11 +18,12 @@ import torch
 import fusedmoe.kernels
 from fusedmoe.config import MoEConfig
 from fusedmoe.dispatch.local import LocalBatchedDispatcher, LocalDispatcher
+from fusedmoe.env import DETERMINISTIC as DETERMINISTIC_ENV
 from fusedmoe.experts.cpu import CpuExperts, LoopExperts
 from fusedmoe.experts.triton import TritonBatchedExperts, TritonExperts
-from fusedmoe.kernel import DETERMINISTIC_ENV, MoEKernel
 from fusedmoe.kernels.launch_config import default_launch_config, pick_launch_config
 from fusedmoe.metadata import TopK
+from fusedmoe.modular.kernel import MoEKernel
 from fusedmoe.quant import QuantScheme
 from fusedmoe.testing import make_problem
 

@@ -3,7 +3,7 @@
 Each multi-process test forks one world (fork start: ~0.02 s against ~3-6 s
 for spawn on 2 cores), on a fresh free port, with timeouts on the process
 group, the result queue and the joins, and runs a group of checks from
-``fusedmoe.ep_check`` (the same code scripts/ep_suite.sh runs under NCCL).
+``fusedmoe.testing.ep_check`` (the same code scripts/ep_suite.sh runs under NCCL).
 The row movers' Triton kernels (``dispatch/rows.py``) are checked against their
 PyTorch references in one process (the interpreter here, the GPU there).
 """
@@ -22,21 +22,21 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from fusedmoe import ep_check
 from fusedmoe.config import MoEConfig, ParallelConfig
-from fusedmoe.dispatch.rows import (
+from fusedmoe.dispatch.ep.base import RowLayout
+from fusedmoe.dispatch.ep.groups import ExpertPlacement, layer_fingerprint, shard_experts
+from fusedmoe.kernels._common import interpreting
+from fusedmoe.kernels.rows import (
     as_words,
     gather_sum_launch,
     gather_sum_ref,
-    route_launch,
-    route_ref,
+    rank_rows_launch,
+    rank_rows_ref,
     scatter_rows_launch,
     scatter_rows_ref,
 )
-from fusedmoe.distributed import ExpertPlacement, RowLayout, layer_fingerprint, shard_experts
-from fusedmoe.kernels._common import interpreting
 from fusedmoe.quant import QuantScheme
-from fusedmoe.testing import make_problem
+from fusedmoe.testing import ep_check, make_problem
 
 WORLD_TIMEOUT_S = 90
 GROUP_SCALED = {"fp8_block", "int8_w8a8_block", "mxfp4_mxfp8", "nvfp4"}
@@ -53,7 +53,7 @@ def _cases(dev):
 
 
 def _bench_smoke(dev, out_dir):
-    from fusedmoe import bench_ep
+    from fusedmoe.tools import bench_ep
 
     argv = ["--preset", "tiny", "--tokens", "0,1,7", "--iters", "1", "--layer-tokens", "3", "--out", str(out_dir)]
     return bench_ep.main(argv)
@@ -61,7 +61,7 @@ def _bench_smoke(dev, out_dir):
 
 def _barrier_job(dev):
     """Rank 1 never arrives: rank 0's barrier must fail within its timeout, naming rank 1."""
-    from fusedmoe.distributed import barrier
+    from fusedmoe.dispatch.ep.groups import barrier
 
     barrier(timeout_s=30)  # both arrive
     if torch.distributed.get_rank() == 1:
@@ -76,7 +76,7 @@ def _barrier_job(dev):
 def _worker(rank: int, world: int, port: int, job, args, q) -> None:
     import torch.distributed as dist
 
-    from fusedmoe.distributed import init_ep
+    from fusedmoe.dispatch.ep.groups import init_ep
 
     warnings.filterwarnings("ignore", category=FutureWarning)
     try:
@@ -188,7 +188,7 @@ def test_low_latency_capacity_overflow_is_reported():
 def test_bench_ep_runs_on_gloo(tmp_path):
     """The benchmark program end to end at a tiny shape (timings meaningless; the GPU suite measures):
     every (dispatcher, mode) row with its raw all-to-all and ratio, and the layer on one rank against EP."""
-    from fusedmoe import bench_ep
+    from fusedmoe.tools import bench_ep
 
     assert _run_world(2, _bench_smoke, tmp_path) == [0, 0]
     data = json.loads((tmp_path / "bench_ep_w2.json").read_text())
@@ -293,8 +293,8 @@ def test_route_kernel_matches_reference(t, rows, wire, device):
     if wire:
         ids = torch.where(torch.rand(t, k, generator=g) < 0.3, 0, ids + 1).to(torch.int32)
     owner = torch.tensor([i % w for i in range(e)], dtype=torch.int32)
-    want = route_ref(ids, owner, w, rows, wire=wire)
-    got = route_launch(ids.to(device), owner.to(device), w, rows, wire=wire)
+    want = rank_rows_ref(ids, owner, w, rows, wire=wire)
+    got = rank_rows_launch(ids.to(device), owner.to(device), w, rows, wire=wire)
     assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
     if t:  # each rank's rows are 0.. (or r * rows ..) in token order, one per token that goes there
         d = want[0]

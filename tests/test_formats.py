@@ -37,7 +37,7 @@ import pytest
 import torch
 
 from fusedmoe import FusedMoEError, ParallelConfig, QuantScheme, UnsupportedError
-from fusedmoe.formats import detect, load_checkpoint, load_layer, run_checkpoint
+from fusedmoe.checkpoints import detect, load_checkpoint, load_layer, run_checkpoint
 from fusedmoe.integrations.hf_blocks import extract
 from fusedmoe.quant import Granularity, QDtype, TensorQuant, dequantize, quantize
 from fusedmoe.quant.fp4 import nvfp4_global_scale
@@ -448,7 +448,7 @@ def test_checkpoint_loads_and_matches(case, checkpoints):
     result = run_checkpoint(path, "reference", 16, online=online)
     assert result["passed"], result
     layer = load_layer(path, backend="cpu", keep_reference=True, online=online)
-    from fusedmoe.formats.models import describe
+    from fusedmoe.checkpoints.models import describe
 
     with open(os.path.join(path, "config.json")) as f:
         arch = describe(json.load(f))

@@ -16,10 +16,11 @@ import torch
 
 from fusedmoe.config import Activation, MoEConfig, ParallelConfig
 from fusedmoe.dispatch.local import LocalBatchedDispatcher, LocalDispatcher
-from fusedmoe.experts.triton import FUSE_ACT_ENV, TritonBatchedExperts, TritonExperts
-from fusedmoe.kernel import MoEKernel
+from fusedmoe.env import FUSE_ACT as FUSE_ACT_ENV
+from fusedmoe.experts.triton import TritonBatchedExperts, TritonExperts
 from fusedmoe.kernels._common import interpreting
 from fusedmoe.metadata import TopK
+from fusedmoe.modular.kernel import MoEKernel
 from fusedmoe.quant import QuantScheme
 from fusedmoe.testing import make_problem, poison_, rel_error, tolerance
 

@@ -33,9 +33,9 @@ from fusedmoe.api import fused_moe
 from fusedmoe.config import Activation, MoEConfig
 from fusedmoe.errors import UnsupportedError
 from fusedmoe.experts.reference import moe_reference
+from fusedmoe.oracle.registry import experts_backends, get_dispatcher
 from fusedmoe.platform import current_platform
 from fusedmoe.quant import all_schemes
-from fusedmoe.registry import experts_backends, get_dispatcher
 from fusedmoe.testing import make_problem, rel_error, tolerance
 
 SCHEMES = all_schemes()

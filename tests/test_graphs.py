@@ -17,8 +17,8 @@ from fusedmoe.dispatch.local import LocalBatchedDispatcher, LocalDispatcher
 from fusedmoe.errors import FusedMoEError
 from fusedmoe.experts.cpu import CpuExperts
 from fusedmoe.experts.triton import TritonBatchedExperts, TritonExperts
-from fusedmoe.kernel import MoEKernel
 from fusedmoe.metadata import TopK
+from fusedmoe.modular.kernel import MoEKernel
 from fusedmoe.quant import QuantScheme
 from fusedmoe.testing import Problem, make_problem, poison_, random_topk, rel_error, tolerance
 

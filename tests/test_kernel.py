@@ -11,8 +11,8 @@ from fusedmoe.dispatch.local import LocalBatchedDispatcher, LocalDispatcher
 from fusedmoe.errors import FusedMoEError, UnsupportedError
 from fusedmoe.experts.cpu import CpuExperts, LoopExperts
 from fusedmoe.experts.reference import ReferenceBatchedExperts, ReferenceExperts, moe_reference
-from fusedmoe.kernel import MoEKernel
 from fusedmoe.metadata import TopK
+from fusedmoe.modular.kernel import MoEKernel
 from fusedmoe.quant import QuantScheme
 from fusedmoe.quant.scheme import shape_supported
 from fusedmoe.testing import EDGE_CASES, ODD_CASES, make_problem, poison_, rel_error, tolerance

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from fusedmoe.config import Activation, MoEConfig
+from fusedmoe.env import LAUNCH_CONFIG as ENV_VAR
 from fusedmoe.kernels._common import interpreting
 from fusedmoe.kernels.act_quant import act_and_quantize
 from fusedmoe.kernels.align import moe_align, moe_align_ref
@@ -30,7 +31,6 @@ from fusedmoe.kernels.grouped_gemm import (
     scheme_key,
 )
 from fusedmoe.kernels.launch_config import (
-    ENV_VAR,
     LaunchConfig,
     default_launch_config,
     fit_launch_config,

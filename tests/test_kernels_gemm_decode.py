@@ -36,6 +36,7 @@ from triton.runtime import interpreter
 from triton.runtime.errors import InterpreterError
 
 from fusedmoe.config import Activation
+from fusedmoe.env import LAUNCH_CONFIG as ENV_VAR
 from fusedmoe.kernels._common import interpreting
 from fusedmoe.kernels.align import moe_align_ref
 from fusedmoe.kernels.grouped_gemm import (
@@ -46,7 +47,6 @@ from fusedmoe.kernels.grouped_gemm import (
     grouped_gemm_ref,
 )
 from fusedmoe.kernels.launch_config import (
-    ENV_VAR,
     LaunchConfig,
     default_launch_config,
     fit_launch_config,

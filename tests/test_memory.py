@@ -15,8 +15,8 @@ from fusedmoe.config import MoEConfig
 from fusedmoe.dispatch.local import LocalBatchedDispatcher, LocalDispatcher
 from fusedmoe.experts.cpu import CpuExperts
 from fusedmoe.experts.triton import TritonBatchedExperts, TritonExperts
-from fusedmoe.kernel import MoEKernel
 from fusedmoe.metadata import TopK
+from fusedmoe.modular.kernel import MoEKernel
 from fusedmoe.quant import QuantScheme
 from fusedmoe.testing import make_problem, random_topk
 

@@ -22,12 +22,13 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
+from fusedmoe.env import FUSED_ROUTING as ENV_FUSED_ROUTING
 from fusedmoe.errors import FusedMoEError
 from fusedmoe.kernels import route as route_mod
 from fusedmoe.kernels._common import interpreting
 from fusedmoe.kernels.route import MAX_EXPERTS, route_launch, router_args
 from fusedmoe.metadata import TopK
-from fusedmoe.routing import ENV_FUSED_ROUTING, RouterConfig, route
+from fusedmoe.routing import RouterConfig, route
 from fusedmoe.testing import poison_
 
 HAS_CUDA = torch.cuda.is_available()

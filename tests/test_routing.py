@@ -13,10 +13,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fusedmoe.env import CHECK_VALUES as ENV_CHECK_VALUES
 from fusedmoe.errors import FusedMoEError
 from fusedmoe.routing import RouterConfig, route
 from fusedmoe.testing import EDGE_CASES, Case
-from fusedmoe.validation import ENV_CHECK_VALUES
 
 
 def _logit(p: float) -> float:

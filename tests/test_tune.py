@@ -11,13 +11,14 @@ import re
 import pytest
 import torch
 
-from fusedmoe import cli, tune
+from fusedmoe import cli, env
 from fusedmoe.kernels import tuned_configs
 from fusedmoe.kernels.launch_config import LaunchConfig, pick_launch_config
-from fusedmoe.presets import PRESETS, preset_config
 from fusedmoe.quant import QuantScheme
 from fusedmoe.testing import random_topk
-from fusedmoe.tune import Combo, candidates, tune_many
+from fusedmoe.tools import tune
+from fusedmoe.tools.presets import PRESETS, preset_config
+from fusedmoe.tools.tune import Combo, candidates, tune_many
 
 TINY = {
     "tiny-a": dict(num_experts=4, top_k=2, hidden_size=64, intermediate_size=32),
@@ -106,7 +107,7 @@ def test_cli_tunes_every_preset_and_scheme(cli_run):
 
 def test_tuned_files_round_trip_into_pick_launch_config(cli_run, monkeypatch):
     _, out = cli_run
-    monkeypatch.setenv(tuned_configs.ENV_DIR, str(out))
+    monkeypatch.setenv(env.CONFIG_DIR, str(out))
     monkeypatch.setattr(tuned_configs, "current_gpu", lambda: "cpu-interpreter")
     tuned_configs.clear_cache()
     for f in out.rglob("*.json"):

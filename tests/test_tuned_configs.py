@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from fusedmoe import env
 from fusedmoe.kernels import tuned_configs
 from fusedmoe.kernels.launch_config import (
     LaunchConfig,
@@ -25,7 +26,7 @@ def tuned_dir(tmp_path, monkeypatch):
     path.parent.mkdir(parents=True)
     cfgs = {"1": A.__dict__, "1024": B.__dict__}
     path.write_text(json.dumps({"gpu": GPU, "scheme": "bf16", "triton": "3.6.0", "configs": cfgs}))
-    monkeypatch.setenv(tuned_configs.ENV_DIR, str(tmp_path))
+    monkeypatch.setenv(env.CONFIG_DIR, str(tmp_path))
     monkeypatch.setattr(tuned_configs, "current_gpu", lambda: GPU)
     tuned_configs.clear_cache()
     yield tmp_path

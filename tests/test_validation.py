@@ -1,6 +1,6 @@
 """Validation at the public entry points: one test per class of bad input, the NaN policy, T = 0.
 
-Every error must name the argument and what was expected (``fusedmoe.validation``).
+Every error must name the argument and what was expected (``fusedmoe.modular.validation``).
 Device mismatches are shown with the ``meta`` device, which every CPU machine has.
 """
 
@@ -13,11 +13,12 @@ import torch
 
 from fusedmoe import FusedMoEError, MoEConfig, QuantScheme, UnsupportedError
 from fusedmoe.api import fused_moe
+from fusedmoe.env import CHECK_VALUES as ENV_CHECK_VALUES
 from fusedmoe.kernels._common import interpreting
 from fusedmoe.layer import FusedMoE
+from fusedmoe.modular.validation import _weights_ok, validate_call
 from fusedmoe.quant import QTensor, all_schemes
 from fusedmoe.testing import make_problem
-from fusedmoe.validation import ENV_CHECK_VALUES, _weights_ok, validate_call
 from fusedmoe.weights import ExpertWeights
 
 E, K, H, I, T = 4, 2, 64, 32, 5

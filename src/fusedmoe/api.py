@@ -7,29 +7,29 @@ while tracing would be gone when the graph runs). So kernels are cached per
 reads when built), at most ``KERNEL_CACHE_SIZE`` of them, least recently used dropped first.
 The oracle still runs each eager call (its choice follows ``FUSEDMOE_BACKEND`` and friends);
 under ``torch.compile`` the choice and the kernel are taken once, while tracing, and the
-graph holds the kernel's name in ``fusedmoe::moe_forward`` (``fusedmoe.ops``). A graph
+graph holds the kernel's name in ``fusedmoe::moe_forward`` (``fusedmoe.modular.ops``). A graph
 outlives its kernel only if more than ``KERNEL_CACHE_SIZE`` other configurations were used
 since it was compiled; it then raises, naming the kernel.
 """
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 
 import torch
 
+from . import env
 from .config import MoEConfig
+from .contract import TokenLayout
 from .errors import expect
-from .experts.base import TokenLayout
-from .kernel import MoEKernel, deterministic_from_env
 from .metadata import TopK
-from .ops import call_moe_forward
+from .modular.kernel import MoEKernel
+from .modular.ops import call_moe_forward
+from .modular.validation import validate_call
 from .oracle import select_experts
+from .oracle.registry import get_dispatcher, get_experts
 from .platform import Platform
 from .quant import QuantScheme
-from .registry import get_dispatcher, get_experts
-from .validation import validate_call
 from .weights import ExpertWeights
 
 KERNEL_CACHE_SIZE = 64
@@ -90,8 +90,8 @@ def cached_kernel(
     )
     # the backend may compute with another activation precision than asked (e.g. mxfp8 for mxfp4)
     scheme = choice.effective_scheme or scheme
-    env = (os.environ.get("FUSEDMOE_CHUNK_SIZE"), deterministic_from_env())
-    key = (config, scheme, choice.backend, dispatcher, chunk_size, env)
+    knobs = (env.chunk_size(), env.deterministic())
+    key = (config, scheme, choice.backend, dispatcher, chunk_size, knobs)
     kernel = _KERNELS.get(key)
     if kernel is None:
         experts = get_experts(choice.backend)(config, scheme)

@@ -13,9 +13,9 @@ import torch
 def _cmd_run(args) -> int:
     from .api import fused_moe
     from .oracle import select_experts
-    from .presets import preset_config
     from .quant import QuantScheme
     from .testing import make_problem, rel_error, tolerance
+    from .tools.presets import preset_config
 
     device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
     if args.checkpoint:
@@ -50,7 +50,7 @@ def _cmd_run(args) -> int:
 
 
 def _run_checkpoint(args, device: str) -> int:
-    from .formats.checkpoint import run_checkpoint
+    from .checkpoints.checkpoint import run_checkpoint
 
     dtype = (
         {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype] if args.dtype_set else None
@@ -75,7 +75,7 @@ def _run_checkpoint(args, device: str) -> int:
 
 
 def _cmd_features(args) -> int:
-    from .features import feature_matrix, to_markdown
+    from .oracle.features import feature_matrix, to_markdown
     from .platform import Platform
 
     plat = Platform.simulated(args.platform) if args.platform else None
@@ -85,12 +85,12 @@ def _cmd_features(args) -> int:
 
 
 def _cmd_explain(args) -> int:
+    from .contract import TokenLayout
     from .errors import UnsupportedError
-    from .experts.base import TokenLayout
     from .oracle import select_experts
     from .platform import Platform, current_platform
-    from .presets import preset_config
     from .quant import QuantScheme
+    from .tools.presets import preset_config
 
     plat = Platform.simulated(args.platform) if args.platform else current_platform()
     plat = plat.with_packages(*args.packages)
@@ -110,10 +110,10 @@ def _cmd_explain(args) -> int:
 
 def _cmd_bench(args) -> int:
     if args.ep:  # expert parallelism: its own program under torchrun, with its own options
-        from .bench_ep import launch
+        from .tools.bench_ep import launch
 
         return launch(args.out, args.ep_args, args.nproc)
-    from .bench import run_bench
+    from .tools.bench import run_bench
 
     tokens = [int(t) for t in args.tokens.split(",")]
     run_bench(
@@ -129,7 +129,7 @@ def _cmd_bench(args) -> int:
 
 
 def _cmd_tune(args) -> int:
-    from .tune import SCHEMES, parse_presets, plan_summary, tune_many
+    from .tools.tune import SCHEMES, parse_presets, plan_summary, tune_many
 
     presets = parse_presets(args.preset)
     schemes = list(SCHEMES) if args.scheme == "all" else [s for s in args.scheme.split(",") if s]
@@ -209,8 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--eager", action="store_true", help="time eager calls instead of CUDA-graph replays")
     b.add_argument("--no-parts", action="store_true", help="skip the per-kernel breakdown")
     b.add_argument("--out", default=None)
-    b.add_argument("--ep", action="store_true", help="expert parallelism on every GPU here (fusedmoe.bench_ep)")
-    b.add_argument("--ep-args", default="", help='with --ep: options of fusedmoe.bench_ep, e.g. "--tokens 128"')
+    b.add_argument("--ep", action="store_true", help="expert parallelism on every GPU here (fusedmoe.tools.bench_ep)")
+    b.add_argument("--ep-args", default="", help='with --ep: options of fusedmoe.tools.bench_ep, e.g. "--tokens 128"')
     b.add_argument("--nproc", type=int, default=None, help="with --ep: ranks (default: every GPU)")
     b.set_defaults(fn=_cmd_bench)
 

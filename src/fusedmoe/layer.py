@@ -8,7 +8,7 @@ Life of a layer (the same three steps as vLLM's ``FusedMoE``)::
     out = layer(hidden_states, router_logits)
 
 Parameters are created in fusedmoe's canonical layout (``quant/tensor.py``):
-the format modules (``fusedmoe.formats``) turn each checkpoint's own tensors
+the format modules (``fusedmoe.checkpoints``) turn each checkpoint's own tensors
 (GPTQ ``qweight``, gpt-oss ``*_blocks``, compressed-tensors ``weight_packed``,
 ...) into these before calling ``weight_loader``. Names, per local expert
 (E_l of them), N x K being the logical operand::
@@ -52,14 +52,14 @@ import torch.nn.functional as F
 
 from .config import MoEConfig, ParallelConfig
 from .errors import FusedMoEError, UnsupportedError, expect
-from .kernel import MoEKernel
+from .modular.kernel import MoEKernel
+from .modular.validation import validate_call
 from .oracle import Choice, select_experts
 from .oracle.padding import pad_weights, padded_config
+from .oracle.registry import get_dispatcher, get_experts
 from .platform import Platform, current_platform
 from .quant import QDtype, QTensor, QuantScheme, TensorQuant, dequantize, quantize
-from .registry import get_dispatcher, get_experts
 from .routing import RouterConfig
-from .validation import validate_call
 from .weights import ExpertWeights
 
 __all__ = ["FusedMoE", "SHARDS"]

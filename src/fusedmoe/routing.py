@@ -38,26 +38,24 @@ logits are on a CUDA device, there is no ``custom_fn``, E <= 1024
 the above (the other settings must keep their defaults). Its result's shapes and
 dtypes are always checked; its values (ids in range and distinct per row, finite
 weights) only with value checks on (``check_values=True`` or
-``FUSEDMOE_CHECK_VALUES=1``), the policy of ``fusedmoe.validation``: reading them
+``FUSEDMOE_CHECK_VALUES=1``), the policy of ``fusedmoe.modular.validation``: reading them
 synchronises with the device, which would also break a ``torch.compile`` graph.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
 
+from . import env
 from .errors import expect
 from .metadata import TopK
-from .validation import check_values_enabled
 
-__all__ = ["ENV_FUSED_ROUTING", "SCORINGS", "RouterConfig", "route"]
+__all__ = ["SCORINGS", "RouterConfig", "route"]
 
-ENV_FUSED_ROUTING = "FUSEDMOE_FUSED_ROUTING"  # "0": never take the fused kernel by default
 
 SCORINGS = ("softmax", "sigmoid")
 
@@ -209,7 +207,7 @@ class RouterConfig:
 
             return fused_route(logits, self, correction_bias)
         if self.custom_fn is not None:
-            return self._route_custom(logits, check_values_enabled(check_values))
+            return self._route_custom(logits, env.check_values(check_values))
 
         scores = logits.float()
         scores = scores.softmax(dim=-1) if self.scoring == "softmax" else scores.sigmoid()
@@ -289,8 +287,8 @@ class RouterConfig:
 
 @torch.compiler.assume_constant_result
 def _fused_routing_enabled() -> bool:
-    """``FUSEDMOE_FUSED_ROUTING`` is not "0" (read once per trace while compiling)."""
-    return os.environ.get(ENV_FUSED_ROUTING, "1") != "0"
+    """``FUSEDMOE_FUSED_ROUTING`` (default on), a constant of a compiled graph."""
+    return env.fused_routing()
 
 
 def _topk_ids(values: torch.Tensor, k: int) -> torch.Tensor:

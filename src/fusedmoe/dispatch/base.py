@@ -9,34 +9,15 @@ weighted reduce the experts left to it (``WeightedReduce``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
 from ..config import MoEConfig, ParallelConfig
-from ..experts.base import TokenLayout, WeightedReduce
+from ..contract import Dispatched, TokenLayout, WeightedReduce
 from ..metadata import TopK
 from ..quant import QTensor, QuantScheme, quantize
 from ..weights import ExpertWeights
-
-
-@dataclass
-class Dispatched:
-    """What the experts receive.
-
-    a:        activations (QTensor: quantized as scheme.a1, or model dtype in ``data``);
-              [T', H] for the standard layout, [E_l, M, H] for the batched one.
-    topk:     routing of the rows of ``a`` (standard layout).
-    counts:   int32 [E_l] valid rows per expert (batched layout).
-    ctx:      whatever combine needs to bring results home.
-    """
-
-    a: QTensor
-    topk: TopK | None
-    counts: torch.Tensor | None
-    num_tokens: int
-    ctx: Any = None
 
 
 class Dispatcher:

@@ -7,7 +7,7 @@ transports and are used only where their package is installed.
 
 from __future__ import annotations
 
-from ..experts.base import TokenLayout
+from ..contract import TokenLayout
 from .base import Dispatcher
 
 _GPU = frozenset({"cuda"})

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import torch
 
+from ..contract import Dispatched, TokenLayout, WeightedReduce, Workspace, quantized_layout, take
 from ..errors import FusedMoEError, expect
-from ..experts.base import TokenLayout, WeightedReduce, Workspace
-from ..kernel import quantized_layout, take
 from ..metadata import TopK
 from ..quant import QTensor
-from .base import Dispatched, Dispatcher
+from .base import Dispatcher
 
 
 def reduce_topk(y: torch.Tensor, topk: TopK, reduce: WeightedReduce, on_input: bool) -> torch.Tensor:

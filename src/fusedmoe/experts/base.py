@@ -20,35 +20,18 @@ Batched layout::
 
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from ..config import Activation, MoEConfig
+from ..contract import TokenLayout, WeightedReduce, Workspace
 from ..metadata import TopK
 from ..platform import Platform
 from ..quant import QTensor, QuantScheme, all_schemes
 from ..quant.scheme import shape_supported
 from ..weights import ExpertWeights
-
-
-class TokenLayout(str, enum.Enum):
-    STANDARD = "standard"  # [T, H] + topk ids
-    BATCHED = "batched"  # [E_local, max_tokens, H] + counts
-
-    def __repr__(self) -> str:
-        return f"TokenLayout.{self.name}"
-
-
-class WeightedReduce(str, enum.Enum):
-    """Where the top-k weighting and the sum over K happen."""
-
-    NONE = "none"  # inside the experts: their output is already [T, H]
-    SUM = "sum"  # experts applied the router weight (GEMM2 epilogue); combine sums over K
-    WEIGHT_AND_SUM = "weight_and_sum"  # combine multiplies by the router weight and sums
-
 
 ALL_ACTIVATIONS = frozenset(Activation)
 ALL_SCHEMES = frozenset(s.name for s in all_schemes())
@@ -99,25 +82,6 @@ class Capabilities:
             if s.name in self.schemes and s.w1 is not None and s.w1.granularity.short not in seen:
                 seen.append(s.w1.granularity.short)
         return seen
-
-
-@dataclass
-class Workspace:
-    """Buffers an Experts run needs, declared up front from the shapes."""
-
-    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
-
-    def nbytes(self) -> int:
-        total = 0
-        for shape, dtype in self.shapes.values():
-            n = 1
-            for d in shape:
-                n *= d
-            total += n * torch.empty((), dtype=dtype).element_size()
-        return total
-
-    def allocate(self, device) -> dict[str, torch.Tensor]:
-        return {k: torch.empty(s, dtype=d, device=device) for k, (s, d) in self.shapes.items()}
 
 
 class Experts:

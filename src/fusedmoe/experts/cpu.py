@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import torch
 
+from .. import env
 from ..activations import apply_activation
-from ..kernel import deterministic_from_env
+from ..contract import TokenLayout, WeightedReduce
 from ..quant import dequantize, fake_quantize
-from .base import ALL_SCHEMES, Capabilities, Experts, TokenLayout, WeightedReduce
+from .base import ALL_SCHEMES, Capabilities, Experts
 
 # Rows per GEMM call in deterministic mode: MKL sgemm measured batch-invariant over fixed
 # 8/16/32-row calls (every [i:j] slice of 40 rows, 2 threads); 16 pads a lone decode token
@@ -60,7 +61,7 @@ class CpuExperts(Experts):
 
     def __init__(self, config, scheme) -> None:
         super().__init__(config, scheme)
-        self.deterministic = deterministic_from_env()
+        self.deterministic = env.deterministic()
 
     def _mm(self, a: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
         return _tiled_mm(a, w_t) if self.deterministic else a @ w_t

@@ -20,9 +20,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..config import Activation
+from ..contract import TokenLayout
 from ..platform import OPTIONAL_PACKAGES
 from ..quant import QuantScheme
-from .base import Capabilities, Experts, TokenLayout
+from .base import Capabilities, Experts
 
 STD = frozenset({TokenLayout.STANDARD})
 BAT = frozenset({TokenLayout.BATCHED})

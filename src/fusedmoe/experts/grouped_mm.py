@@ -50,10 +50,11 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
+from ..contract import TokenLayout, WeightedReduce
 from ..errors import expect
 from ..kernels.act_quant import act_and_quantize, act_and_quantize_ref
 from ..quant import QTensor
-from .base import Capabilities, Experts, TokenLayout, WeightedReduce
+from .base import Capabilities, Experts
 
 # the private op first: the same kernel without F.grouped_mm's Python argument checks
 _GROUPED_MM = getattr(torch, "_grouped_mm", None) or getattr(F, "grouped_mm", None)

@@ -22,9 +22,10 @@ import torch
 
 from ..activations import apply_activation
 from ..config import MoEConfig
+from ..contract import TokenLayout, WeightedReduce
 from ..quant import QTensor, QuantScheme, dequantize, fake_quantize
 from ..weights import ExpertWeights
-from .base import ALL_SCHEMES, Capabilities, Experts, TokenLayout, WeightedReduce
+from .base import ALL_SCHEMES, Capabilities, Experts
 
 
 def expert_ffn_rows(

@@ -43,11 +43,10 @@ per-tensor dynamic scale) and there is no split-K.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from ..kernel import deterministic_from_env, quantized_layout, take
+from .. import env
+from ..contract import TokenLayout, WeightedReduce, Workspace, quantized_layout, take
 from ..kernels._common import interpreting
 from ..kernels.act_quant import act_and_quantize
 from ..kernels.align import moe_align
@@ -55,18 +54,10 @@ from ..kernels.grouped_gemm import ActEpilogue, grouped_gemm, grouped_gemm_batch
 from ..kernels.launch_config import gated_act_config, pick_launch_config
 from ..kernels.moe_sum import moe_sum
 from ..quant import QTensor
-from .base import ALL_SCHEMES, Capabilities, Experts, TokenLayout, WeightedReduce, Workspace
+from .base import ALL_SCHEMES, Capabilities, Experts
 
 # Under the interpreter the kernels also run on the CPU (CI checks them there).
 _PLATFORMS = frozenset({"cuda"} | ({"cpu"} if interpreting() else set()))
-
-FUSE_ACT_ENV = "FUSEDMOE_FUSE_ACT"
-
-
-def fuse_act_from_env() -> bool:
-    """False when ``FUSEDMOE_FUSE_ACT=0`` (read when the experts are built); default on."""
-    return os.environ.get(FUSE_ACT_ENV, "1") != "0"
-
 
 def _needs_native_fp8(scheme) -> bool:
     return scheme.a1 is not None and scheme.a1.dtype.value in ("fp8_e4m3", "mxfp8")
@@ -100,8 +91,8 @@ class _TritonBase(Experts):
 
     def __init__(self, config, scheme) -> None:
         super().__init__(config, scheme)
-        self.deterministic = deterministic_from_env()
-        self.fuse_act = fuse_act_from_env()
+        self.deterministic = env.deterministic()
+        self.fuse_act = env.fuse_act()
         self._epilogue = ActEpilogue.of(config, scheme.a2) if ActEpilogue.supports(scheme.a2) else None
 
     def act_epilogue(self) -> ActEpilogue | None:

@@ -15,13 +15,13 @@ shrunk to divide a w8a8 block or group size so each K step sees one scale.
 from __future__ import annotations
 
 import contextlib
-import os
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
 
+from .. import env
 from ..errors import expect
-
-ENV_VAR = "FUSEDMOE_LAUNCH_CONFIG"
+from . import tuned_configs
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class LaunchConfig:
         names = [f.name for f in fields(cls)]
         expect(
             len(parts) == len(names) and all(p.isdigit() for p in parts),
-            ENV_VAR,
+            env.LAUNCH_CONFIG,
             f"{len(names)} comma-separated integers ({','.join(names)})",
             text,
         )
@@ -129,6 +129,12 @@ def default_launch_config(m_pairs: int, num_experts: int, n: int, k: int, scheme
     return LaunchConfig(bm, bn, bk, group_m, warps, stages)
 
 
+@functools.lru_cache(maxsize=1024)
+def _config(**fields) -> LaunchConfig:
+    """One ``LaunchConfig`` per distinct tuned entry (validated once, not per call)."""
+    return LaunchConfig(**fields)
+
+
 def _pow2_at_least(x: int) -> int:
     p = 1
     while p < x:
@@ -153,14 +159,12 @@ def pick_launch_config(
         m_pairs = DETERMINISTIC_ROWS_PER_EXPERT * max(1, num_experts)
     if _OVERRIDE:
         return _OVERRIDE[-1]
-    text = os.environ.get(ENV_VAR)
+    text = env.raw(env.LAUNCH_CONFIG)
     if text:
         return LaunchConfig.parse(text)
-    from .tuned_configs import lookup  # tuned JSON for this GPU and GEMM, nearest pair count
-
-    tuned = lookup(m_pairs, num_experts, n, k, scheme_key)
+    tuned = tuned_configs.lookup(m_pairs, num_experts, n, k, scheme_key)  # nearest pair count
     if tuned is not None:
-        return tuned
+        return _config(**tuned)
     return default_launch_config(m_pairs, num_experts, n, k, scheme_key)
 
 

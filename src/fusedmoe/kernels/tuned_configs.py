@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import re
 from pathlib import Path
 
-from .launch_config import LaunchConfig
+from .. import env
 
-ENV_DIR = "FUSEDMOE_CONFIG_DIR"
-PACKAGE_DIR = Path(__file__).resolve().parent.parent / "configs"
+PACKAGE_DIR = Path(__file__).resolve().parent / "configs"
 
 
 def gpu_key(name: str) -> str:
@@ -49,22 +47,23 @@ def current_gpu() -> str | None:
 
 
 @functools.lru_cache(maxsize=256)
-def _load(path: str) -> dict[int, LaunchConfig] | None:
+def _load(path: str) -> dict[int, dict] | None:
     p = Path(path)
     if not p.is_file():
         return None
     with open(p) as f:
         data = json.load(f)
-    return {int(m): LaunchConfig(**cfg) for m, cfg in data["configs"].items()}
+    return {int(m): dict(cfg) for m, cfg in data["configs"].items()}
 
 
 def search_dirs() -> list[Path]:
-    user = os.environ.get(ENV_DIR)
+    user = env.raw(env.CONFIG_DIR)
     return ([Path(user)] if user else []) + [PACKAGE_DIR]
 
 
-def lookup(m_pairs: int, e: int, n: int, k: int, scheme: str, gpu: str | None = None) -> LaunchConfig | None:
-    """The tuned config nearest to ``m_pairs`` for this GEMM on this GPU, or None."""
+def lookup(m_pairs: int, e: int, n: int, k: int, scheme: str, gpu: str | None = None) -> dict | None:
+    """The fields of the tuned config nearest to ``m_pairs`` for this GEMM on this GPU, or None
+    (``launch_config.pick_launch_config`` makes the ``LaunchConfig``)."""
     gpu = gpu or current_gpu()
     if gpu is None:
         return None

@@ -25,21 +25,19 @@ each an ordered list of candidates per platform class and token layout
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field, replace
 
+from .. import env
 from ..config import MoEConfig
+from ..contract import TokenLayout
 from ..errors import UnsupportedError, expect
-from ..experts.base import TokenLayout
+from ..experts.thresholds import grouped_mm_first
 from ..platform import Platform, current_platform
 from ..quant import QuantScheme
-from ..registry import experts_backends
 from .padding import padded_sizes
 from .priorities import candidates, explicit_only, family_variant, platform_class
-from .thresholds import grouped_mm_first
+from .registry import experts_backends
 
-ENV_BACKEND = "FUSEDMOE_BACKEND"
-ENV_SKIP = "FUSEDMOE_SKIP_BACKENDS"
 FAMILIES = ("unquantized", "fp8", "int8", "wna16", "mxfp4", "nvfp4")
 _SHAPE_RULE_FAMILIES = ("unquantized", "fp8")
 
@@ -151,8 +149,8 @@ def _request(backend: str | None, scheme: QuantScheme) -> tuple[str | None, str 
     """(requested backend or None for auto, where the request came from)."""
     if backend not in (None, "auto"):
         return backend, "argument"
-    for var in (family_env(scheme.family), ENV_BACKEND):
-        value = os.environ.get(var, "").strip()
+    for var in (family_env(scheme.family), env.BACKEND):
+        value = env.raw(var)
         if value and value != "auto":
             return value, var
     return None, None
@@ -203,11 +201,11 @@ def select_experts(
     names, note = _shape_rule(candidates(scheme, platform, layout), config, scheme, platform, num_tokens)
     if note:
         choice.notes.append(note)
-    skip = {s.strip() for s in os.environ.get(ENV_SKIP, "").split(",") if s.strip()}
+    skip = set(env.names(env.SKIP_BACKENDS))
     for name in names:
         v = _verdict(known[name], config, scheme, platform, layout, expert_map)
         if v.reason is None and name in skip:
-            v = replace(v, reason=f"skipped ({ENV_SKIP})")
+            v = replace(v, reason=f"skipped ({env.SKIP_BACKENDS})")
         elif v.reason is None and explicit_only(name, platform):
             v = replace(v, reason=f"not taken automatically on {platform.label}: {explicit_only(name, platform)}")
         choice.candidates.append(v)

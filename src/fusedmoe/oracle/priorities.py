@@ -26,10 +26,10 @@ rules of ARCHITECTURE.md "Backend selection"):
 
 from __future__ import annotations
 
-from ..experts.base import TokenLayout
+from ..contract import TokenLayout
 from ..platform import Platform
 from ..quant import QuantScheme
-from ..registry import experts_backends
+from .registry import experts_backends
 
 STD, BAT = TokenLayout.STANDARD, TokenLayout.BATCHED
 

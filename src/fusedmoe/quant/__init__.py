@@ -1,7 +1,8 @@
 """Quantization: schemes (what), formats (how), and the QTensor container."""
 
+from .formats import FORMATS, dequantize, fake_quantize, quantize
 from .scheme import Granularity, QDtype, QuantScheme, TensorQuant, all_schemes
-from .tensor import FORMATS, QTensor, dequantize, fake_quantize, quantize
+from .tensor import QTensor
 
 __all__ = [
     "FORMATS",

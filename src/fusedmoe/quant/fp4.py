@@ -41,8 +41,8 @@ from __future__ import annotations
 import torch
 
 from ..errors import expect
-from .scheme import Granularity, QDtype, TensorQuant
-from .tensor import QTensor, check_scale_shape, expand_scale, group_amax, register_format
+from .scheme import Granularity, TensorQuant
+from .tensor import QTensor, check_scale_shape, expand_scale, group_amax
 
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
@@ -232,5 +232,3 @@ class _NVFP4:
 
 mxfp4 = _MXFP4()
 nvfp4 = _NVFP4()
-register_format(QDtype.MXFP4, mxfp4)
-register_format(QDtype.NVFP4, nvfp4)

@@ -74,8 +74,8 @@ import torch
 
 from ..errors import expect
 from .fp4 import compute_dtype, ieee_div, pack_nibbles, unpack_nibbles
-from .scheme import QDtype, TensorQuant
-from .tensor import QTensor, check_scale_shape, expand_scale, group_amax, register_format
+from .scheme import TensorQuant
+from .tensor import QTensor, check_scale_shape, expand_scale, group_amax
 
 QMAX = 15
 SYM_ZERO = 8
@@ -173,7 +173,6 @@ class _Int4:
 
 
 int4 = _Int4()
-register_format(QDtype.INT4, int4)
 
 
 # ---- int32 words of eight nibbles ---------------------------------------------------

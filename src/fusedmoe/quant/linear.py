@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from .scheme import QDtype, TensorQuant
-from .tensor import QTensor, check_scale_shape, expand_scale, group_amax, register_format
+from .scheme import TensorQuant
+from .tensor import QTensor, check_scale_shape, expand_scale, group_amax
 
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 INT8_MAX = 127.0
@@ -53,5 +53,3 @@ class _Linear:
 
 fp8 = _Linear(FP8_MAX, torch.float8_e4m3fn, integer=False)
 int8 = _Linear(INT8_MAX, torch.int8, integer=True)
-register_format(QDtype.FP8, fp8)
-register_format(QDtype.INT8, int8)

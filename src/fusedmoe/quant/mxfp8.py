@@ -28,8 +28,8 @@ from .fp4 import (
     mx_scale_code,
     mx_static_code,
 )
-from .scheme import QDtype, TensorQuant
-from .tensor import QTensor, expand_scale, group_amax, register_format
+from .scheme import TensorQuant
+from .tensor import QTensor, expand_scale, group_amax
 
 MXFP8_EMAX = 8
 
@@ -56,4 +56,3 @@ class _MXFP8:
 
 
 mxfp8 = _MXFP8()
-register_format(QDtype.MXFP8, mxfp8)

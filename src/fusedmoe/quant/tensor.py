@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 
 from ..errors import expect
-from .scheme import Granularity, QDtype, TensorQuant
+from .scheme import Granularity, TensorQuant
 
 
 @dataclass
@@ -96,54 +96,6 @@ class Format(Protocol):
     ) -> QTensor: ...
 
     def dequantize(self, q: QTensor, tq: TensorQuant, dtype: torch.dtype) -> torch.Tensor: ...
-
-
-FORMATS: dict[QDtype, Format] = {}
-
-
-def register_format(dtype: QDtype, fmt: Format) -> None:
-    FORMATS[dtype] = fmt
-
-
-def _format(tq: TensorQuant) -> Format:
-    from . import _load_formats  # noqa: F401  (imports the format modules once)
-
-    expect(tq.dtype in FORMATS, "TensorQuant.dtype", f"one of {list(FORMATS)}", tq.dtype)
-    return FORMATS[tq.dtype]
-
-
-def quantize(
-    x: torch.Tensor,
-    tq: TensorQuant,
-    *,
-    scale: torch.Tensor | None = None,
-    global_scale: torch.Tensor | None = None,
-    g_idx: torch.Tensor | None = None,
-) -> QTensor:
-    """Quantize ``x`` ([*B, N, K], at least 2-D) as ``tq`` says.
-
-    ``scale`` (static schemes), ``global_scale`` (NVFP4) and ``g_idx``
-    (act-order) are used when given, computed from ``x`` otherwise.
-    """
-    expect(x.dim() >= 2, "x", "a tensor of at least 2 dims [*B, N, K]", tuple(x.shape))
-    expect(x.is_floating_point(), "x", "a floating-point tensor", x.dtype)
-    return _format(tq).quantize(x, tq, scale=scale, global_scale=global_scale, g_idx=g_idx)
-
-
-def dequantize(q: QTensor, tq: TensorQuant, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The real values ``q`` stands for, as ``dtype`` [*B, N, K]."""
-    return _format(tq).dequantize(q, tq, dtype)
-
-
-def fake_quantize(x: torch.Tensor, tq: TensorQuant | None, dtype: torch.dtype | None = None, **static) -> torch.Tensor:
-    """dequantize(quantize(x)): what a kernel sees after quantizing ``x``.
-
-    ``tq=None`` returns ``x`` unchanged (cast to ``dtype`` if given).
-    """
-    dtype = dtype or x.dtype
-    if tq is None:
-        return x.to(dtype)
-    return dequantize(quantize(x, tq, **static), tq, dtype)
 
 
 # ---- scale arithmetic shared by the formats ---------------------------------

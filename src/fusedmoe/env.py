@@ -1,0 +1,105 @@
+"""Every ``FUSEDMOE_*`` environment variable, parsed in one place and strictly.
+
+A knob that is set to something it cannot mean is an error naming the variable and what it
+takes (``FUSEDMOE_DETERMINISTIC=yes`` once meant "off" without a word). Readers take the
+variable at the moment their setting matters: when a kernel is built (chunk size,
+determinism, fused activation), when the oracle chooses (backend, skips), when a launch
+config is picked. Each read is a dictionary lookup and a parse of a short string: none is
+on a per-launch path that runs more than once per call.
+
+| variable | meaning | values |
+| --- | --- | --- |
+| FUSEDMOE_BACKEND, FUSEDMOE_<FAMILY>_BACKEND | pin the Experts backend (``oracle``) | a backend name or auto |
+| FUSEDMOE_SKIP_BACKENDS | backends the oracle must not choose | comma-separated names |
+| FUSEDMOE_CHUNK_SIZE | tokens per chunk of ``MoEKernel`` | a positive integer |
+| FUSEDMOE_DETERMINISTIC | batch-invariant results | a boolean |
+| FUSEDMOE_CHECK_VALUES | data checks (ids, NaN/Inf) at a host sync | a boolean |
+| FUSEDMOE_FUSE_ACT | GEMM1 applies the activation in its epilogue | a boolean (default on) |
+| FUSEDMOE_FUSED_ROUTING | the one-launch routing kernel on CUDA | a boolean (default on) |
+| FUSEDMOE_LAUNCH_CONFIG | pin one grouped-GEMM launch config | ``BM,BN,BK,GROUP_M,WARPS,STAGES`` |
+| FUSEDMOE_CONFIG_DIR | a folder of tuned configs searched first | a path |
+
+Booleans accept 1/true/yes/on and 0/false/no/off (any case); an empty value is the default.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .errors import FusedMoEError
+
+BACKEND = "FUSEDMOE_BACKEND"
+SKIP_BACKENDS = "FUSEDMOE_SKIP_BACKENDS"
+CHUNK_SIZE = "FUSEDMOE_CHUNK_SIZE"
+DETERMINISTIC = "FUSEDMOE_DETERMINISTIC"
+CHECK_VALUES = "FUSEDMOE_CHECK_VALUES"
+FUSE_ACT = "FUSEDMOE_FUSE_ACT"
+FUSED_ROUTING = "FUSEDMOE_FUSED_ROUTING"
+LAUNCH_CONFIG = "FUSEDMOE_LAUNCH_CONFIG"
+CONFIG_DIR = "FUSEDMOE_CONFIG_DIR"
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def raw(name: str) -> str | None:
+    """The variable's value with surrounding blanks removed; None when unset or empty."""
+    v = os.environ.get(name)
+    if v is None:
+        return None
+    v = v.strip()
+    return v or None
+
+
+def flag(name: str, default: bool = False) -> bool:
+    """A boolean variable: 1/true/yes/on or 0/false/no/off; anything else is an error."""
+    v = raw(name)
+    if v is None:
+        return default
+    low = v.lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise FusedMoEError(f"{name}: expected one of {_TRUE + _FALSE} (a boolean), got {v!r}")
+
+
+def positive_int(name: str) -> int | None:
+    """A positive integer variable, or None when unset."""
+    v = raw(name)
+    if v is None:
+        return None
+    if not v.isdigit() or int(v) <= 0:
+        raise FusedMoEError(f"{name}: expected a positive integer, got {v!r}")
+    return int(v)
+
+
+def names(name: str) -> list[str]:
+    """A comma-separated list of names (empty entries dropped)."""
+    v = raw(name)
+    return [] if v is None else [s.strip() for s in v.split(",") if s.strip()]
+
+
+def deterministic() -> bool:
+    """``FUSEDMOE_DETERMINISTIC`` (read when experts and kernels are built)."""
+    return flag(DETERMINISTIC)
+
+
+def check_values(requested: bool = False) -> bool:
+    """Whether the data checks run: ``requested``, or ``FUSEDMOE_CHECK_VALUES``."""
+    return requested or flag(CHECK_VALUES)
+
+
+def fuse_act() -> bool:
+    """``FUSEDMOE_FUSE_ACT`` (default on; read when the Triton experts are built)."""
+    return flag(FUSE_ACT, default=True)
+
+
+def fused_routing() -> bool:
+    """``FUSEDMOE_FUSED_ROUTING`` (default on)."""
+    return flag(FUSED_ROUTING, default=True)
+
+
+def chunk_size() -> int | None:
+    """``FUSEDMOE_CHUNK_SIZE``, or None when unset."""
+    return positive_int(CHUNK_SIZE)

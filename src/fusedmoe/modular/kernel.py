@@ -1,0 +1,234 @@
+"""``MoEKernel``: a Dispatcher composed with an Experts backend.
+
+    out = combine(experts(dispatch(x)))   [+ shared_experts(x)]
+
+Long inputs run in chunks of ``chunk_size`` tokens (default 16384, or
+``FUSEDMOE_CHUNK_SIZE``) so the experts' workspace, which grows with T*K,
+stays bounded. A per-tensor dynamic a1 scale is computed once over the whole
+input and pinned for every chunk, so chunking does not change a1's
+quantization; a per-tensor dynamic a2 scale is taken per chunk.
+
+The weighted reduce happens where the experts say (``Experts.reduce``): inside
+them, or in the dispatcher's combine. The shared-experts hook runs after the
+experts and before combine, where a distributed dispatcher's communication
+can overlap it.
+
+Three modes of running:
+
+- eager: ``forward`` calls the dispatcher and the experts directly;
+- under ``torch.compile``: ``forward`` emits the custom op ``fusedmoe::moe_forward``
+  (``fusedmoe.modular.ops``) naming this kernel, and adds the shared experts in the graph;
+- CUDA graphs: ``allocate(max_tokens, device)`` creates every declared buffer once
+  (``workspace``: the dispatcher's, the experts', the experts' output); calls of up to
+  ``max_tokens`` tokens then reuse them, so a captured graph's addresses stay valid.
+  What is still allocated per call is small: the quantized input [T, H], the output,
+  the routing metadata of ``moe_align`` and the local_batched combine's index.
+
+Deterministic mode (``deterministic=True`` or ``FUSEDMOE_DETERMINISTIC=1``) asks the
+experts for results that do not depend on the batch: each token's output is bitwise
+the same alone, in any batch, and run to run (see ``experts.triton``). Tokens still
+interact through a per-tensor *dynamic* activation scale (an amax over the batch), which
+no mode can avoid; schemes with token, group or static scales are batch-invariant.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .. import env
+from ..contract import TokenLayout, WeightedReduce, Workspace, take
+from ..errors import UnsupportedError, expect
+from ..experts.base import Experts
+from ..metadata import TopK
+from ..quant import FORMATS
+from ..weights import ExpertWeights
+from .ops import call_moe_forward, register_kernel
+
+DEFAULT_CHUNK_SIZE = 16384
+class MoEKernel:
+    """Dispatcher x Experts (see the module docstring).
+
+    chunk_size:     tokens per chunk (None: ``FUSEDMOE_CHUNK_SIZE`` or 16384).
+    shared_experts: ``f(x [T, H]) -> [T, H]`` added to the routed output.
+    deterministic:  batch-invariant, run-to-run identical results (None: ``FUSEDMOE_DETERMINISTIC``,
+                    or what the experts were built with).
+    name:           the key of this kernel in the ``fusedmoe::moe_forward`` registry (unique;
+                    generated when None).
+    """
+
+    def __init__(
+        self,
+        dispatcher,
+        experts: Experts,
+        *,
+        chunk_size: int | None = None,
+        shared_experts: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        deterministic: bool | None = None,
+        name: str | None = None,
+    ) -> None:
+        if dispatcher.layout is not experts.layout:
+            raise UnsupportedError(
+                f"dispatcher '{dispatcher.name}' produces the {dispatcher.layout.value} token layout "
+                f"but experts '{experts.name}' take {experts.layout.value}"
+            )
+        self.dispatcher = dispatcher
+        self.experts = experts
+        self.config = experts.config
+        self.scheme = experts.scheme
+        size = chunk_size or env.chunk_size() or DEFAULT_CHUNK_SIZE
+        expect(size > 0, "chunk_size", "a positive number of tokens", size)
+        self.chunk_size = size if experts.capabilities.chunking else None
+        self.shared_experts = shared_experts
+        if deterministic is None:
+            deterministic = bool(getattr(experts, "deterministic", False)) or env.deterministic()
+        self.deterministic = deterministic
+        # the experts choose their launch configs; backends without such choices ignore it
+        experts.deterministic = deterministic
+        self._buffers: dict[str, dict[str, torch.Tensor]] | None = None
+        self.name = register_kernel(self, name)
+
+    # A copy (deepcopy of a model, unpickling) is a new kernel: it registers under a fresh
+    # name, or compiled graphs of the copy would call the original. Buffers are not copied
+    # (a CUDA graph captured the original's addresses); ``allocate`` again.
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_buffers": None, "name": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.name = register_kernel(self)
+
+    # ---- workspace ---------------------------------------------------------------------
+    def _num_local_experts(self) -> int:
+        return len(self.dispatcher.parallel.local_experts(self.config.num_experts))
+
+    def _step(self, num_tokens: int) -> int:
+        return max(1, min(num_tokens, self.chunk_size) if self.chunk_size else num_tokens)
+
+    def _workspace_parts(self, num_tokens: int, num_local_experts: int | None) -> dict[str, Workspace]:
+        c = self.config
+        step = self._step(num_tokens)
+        e_l = num_local_experts or self._num_local_experts()
+        if self.experts.layout is TokenLayout.STANDARD:
+            rows = step
+            k = 1 if self.experts.reduce is WeightedReduce.NONE else c.top_k
+            y_rows = step * k
+        else:
+            rows = self.dispatcher.max_tokens_per_rank(step)  # M, rows per expert
+            y_rows = e_l * rows
+        parts = {
+            "experts": self.experts.workspace(rows, e_l),
+            "kernel": Workspace({"y": ((y_rows, c.hidden_size), c.dtype)}),
+        }
+        plan = getattr(self.dispatcher, "workspace", None)
+        if plan is not None:
+            parts["dispatch"] = plan(step, e_l)
+        return parts
+
+    def workspace(self, num_tokens: int, num_local_experts: int | None = None) -> Workspace:
+        """Every buffer a call of ``num_tokens`` tokens needs, declared (one chunk's worth: the
+        bytes stop growing at ``chunk_size``). Names are ``part.buffer``, part one of
+        'dispatch', 'experts', 'kernel'."""
+        shapes = {}
+        for part, ws in self._workspace_parts(num_tokens, num_local_experts).items():
+            shapes.update({f"{part}.{k}": v for k, v in ws.shapes.items()})
+        return Workspace(shapes)
+
+    def allocate(
+        self, max_tokens: int, device: torch.device | str, *, num_local_experts: int | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Allocate the workspace for calls of up to ``max_tokens`` tokens on ``device``, once.
+
+        Later calls on that device take their buffers from it (a larger call allocates its own,
+        as without ``allocate``). Needed before capturing a CUDA graph, so that replays write
+        where the capture did. Returns the buffers by ``workspace`` name.
+        """
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        parts = self._workspace_parts(max_tokens, num_local_experts)
+        self._buffers = {part: ws.allocate(dev) for part, ws in parts.items()}
+        return self.buffers
+
+    @property
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The buffers ``allocate`` created, by ``workspace`` name (empty before it is called)."""
+        return {f"{p}.{k}": t for p, bufs in (self._buffers or {}).items() for k, t in bufs.items()}
+
+    def _buffers_for(self, x: torch.Tensor) -> dict[str, dict[str, torch.Tensor]]:
+        if self._buffers is None or self._buffers["kernel"]["y"].device != x.device:
+            return {}
+        return self._buffers
+
+    # ---- running -----------------------------------------------------------------------
+    def _pinned_a1_scale(self, x: torch.Tensor, t: int) -> torch.Tensor | None:
+        tq = self.scheme.a1
+        if tq is None or not tq.dynamic or tq.granularity.kind != "tensor":
+            return None
+        if self.chunk_size is None or t <= self.chunk_size:
+            return None
+        return FORMATS[tq.dtype].scale_for(x, tq)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        topk: TopK,
+        weights: ExpertWeights,
+        *,
+        expert_map: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x [T, H] routed by ``topk`` -> [T, H] in x's dtype."""
+        if torch.compiler.is_compiling():
+            out = call_moe_forward(self.name, x, topk, weights, expert_map)
+            if self.shared_experts is not None:
+                # computed in the promoted dtype and rounded once, as the eager in-place add does
+                out = (out + self.shared_experts(x)).to(out.dtype)
+            return out
+        return self.forward_eager(x, topk, weights, expert_map=expert_map)
+
+    __call__ = forward
+
+    def forward_eager(
+        self,
+        x: torch.Tensor,
+        topk: TopK,
+        weights: ExpertWeights,
+        *,
+        expert_map: torch.Tensor | None = None,
+        shared: bool = True,
+    ) -> torch.Tensor:
+        """``forward`` without the compile switch; ``shared=False`` leaves out the shared experts
+        (the custom op's body: the compiled graph adds them)."""
+        t = x.shape[0]
+        out = torch.empty_like(x)
+        distributed = self.dispatcher.distributed
+        if t == 0 and not distributed:
+            return out
+        step = self.chunk_size or max(t, 1)
+        n_chunks = -(-t // step)
+        if distributed:
+            # every rank must join every collective: a rank with fewer (or no) tokens
+            # runs empty chunks until the rank with the most tokens is done
+            n_chunks = self.dispatcher.agree_num_chunks(max(n_chunks, 1), num_tokens=min(t, step))
+        a1_scale = self._pinned_a1_scale(x, t)
+        bufs = self._buffers_for(x)
+        shared_fn = self.shared_experts if shared else None
+        for c in range(n_chunks):
+            s = min(c * step, t)
+            e = min(t, s + step)
+            xc = x[s:e]
+            tk = TopK(topk.ids[s:e], topk.weights[s:e])
+            kw = {"workspace": bufs["dispatch"]} if "dispatch" in bufs else {}
+            d = self.dispatcher.dispatch(xc, tk, weights, expert_map=expert_map, a1_scale=a1_scale, **kw)
+            y_shape = self.dispatcher.output_shape(d, self.experts.reduce)
+            y = take(bufs.get("kernel"), "y", y_shape, x.dtype, x.device)
+            if self.experts.layout is TokenLayout.STANDARD:
+                self.experts.apply(d.a, d.topk, weights, y, expert_map=expert_map, workspace=bufs.get("experts"))
+            else:
+                self.experts.apply_batched(d.a, d.counts, weights, y, workspace=bufs.get("experts"))
+            sh = shared_fn(xc) if shared_fn is not None else None
+            self.dispatcher.combine(y, d, out[s:e], self.experts.reduce)
+            if sh is not None:
+                out[s:e] += sh
+        return out
