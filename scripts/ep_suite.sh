@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Expert parallelism on every GPU of the machine (2 or 4 H200), NCCL through torchrun, in one call:
 #   bash scripts/ep_suite.sh            (results under $OUT, or ./.out; 7 files, no folders)
-# 1. the gloo CPU tests (tests/test_ep.py) under this machine's torch, a check of the 2.11 API paths;
+# 1. the gloo CPU tests (tests/dispatch/test_ep.py) under this machine's torch, a check of the 2.11 API paths;
 # 2. fusedmoe.ep_check: every EP dispatcher x experts (triton where it runs, reference) x scheme
 #    against the float64 reference on every rank, each through every exchange path (sizes exchanged,
 #    fixed blocks of a workspace, MoEKernel with and without allocate), config-mismatch,
@@ -28,7 +28,7 @@ status=0
 SECONDS=0
 if [ "${SKIP_TESTS:-0}" != "1" ]; then
   xdist=$(python3 -c 'import xdist' 2>/dev/null && echo "-n 4" || echo "")
-  timeout "${TESTS_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider -o addopts="" $xdist tests/test_ep.py 2>&1 \
+  timeout "${TESTS_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider -o addopts="" $xdist tests/dispatch/test_ep.py 2>&1 \
     | tee "$OUT/ep_tests.log" | tail -15
   [ "${PIPESTATUS[0]}" = "0" ] || status=1
   echo "gloo tests: ${SECONDS}s" | tee -a "$OUT/ep_env.txt"

@@ -13,8 +13,8 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv >> "$
 SECONDS=0
 # every file with gpu-marked tests; GPU_WORKERS processes share the GPU, a file each (compiles are
 # CPU-bound; 3 workers ran an H100 out of memory). The whole set takes more than one 10-minute
-# device call: split it with GPU_TESTS="tests/test_a.py ..."
-ALL_GPU_TESTS=$(grep -l "mark.gpu" tests/test_*.py | tr '\n' ' ')
+# device call: split it with GPU_TESTS="tests/kernels/test_a.py ..."
+ALL_GPU_TESTS=$(grep -rl "mark.gpu" tests --include="test_*.py" | sort | tr '\n' ' ')
 python3 -m pytest -q -p no:cacheprovider -m gpu ${GPU_TESTS:-$ALL_GPU_TESTS} -n "${GPU_WORKERS:-2}" --dist loadfile \
   -o addopts="" -rs --timeout 1200 -s 2>&1 | tee "$OUT/gpu_tests.log" | grep -v "^MAXERR" | tail -40
 grep "^MAXERR" "$OUT/gpu_tests.log" || true

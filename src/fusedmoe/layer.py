@@ -51,13 +51,13 @@ import torch
 import torch.nn.functional as F
 
 from .config import MoEConfig, ParallelConfig
-from .errors import FusedMoEError, UnsupportedError, expect
+from .errors import FusedMoEError, expect
 from .modular.kernel import MoEKernel
 from .modular.validation import validate_call
-from .oracle import Choice, select_experts
-from .oracle.padding import pad_weights, padded_config
-from .oracle.registry import get_dispatcher, get_experts
-from .platform import Platform, current_platform
+from .oracle import Choice
+from .oracle.build import build_kernel
+from .oracle.padding import pad_weights
+from .platform import Platform
 from .quant import QDtype, QTensor, QuantScheme, TensorQuant, dequantize, quantize
 from .routing import RouterConfig
 from .weights import ExpertWeights
@@ -480,33 +480,28 @@ class FusedMoE(torch.nn.Module):
         weights.check(self.config, self.scheme, self.num_local_experts)
         if keep_reference:
             self.reference_weights = weights
-        disp_cls = get_dispatcher(self.parallel.dispatcher)
-        platform = self.platform or current_platform()
-        why = disp_cls.why_not(platform)
-        if why is not None:
-            raise UnsupportedError(f"dispatcher '{disp_cls.name}' cannot run: {why}")
-        choice = select_experts(
+        kernel = build_kernel(
             self.config,
             self.scheme,
-            platform=platform,
-            layout=disp_cls.layout,
             backend=self.backend,
+            dispatcher=self.parallel.dispatcher,
+            parallel=self.parallel,
+            platform=self.platform,
             expert_map=self.expert_map is not None,
+            chunk_size=self.chunk_size,
         )
+        choice = kernel.choice
         # the backend may run the weights with other activations (MXFP4 x MXFP8) and need H, I rounded up
-        self.compute_scheme = choice.effective_scheme or self.scheme
+        self.compute_scheme = kernel.scheme
         weights = pad_weights(weights, self.config, self.scheme, choice.align)
-        config = padded_config(self.config, choice.align)
         self._pad = (
-            config.hidden_size - self.config.hidden_size,
-            config.intermediate_size - self.config.intermediate_size,
+            kernel.config.hidden_size - self.config.hidden_size,
+            kernel.config.intermediate_size - self.config.intermediate_size,
         )
-        experts = get_experts(choice.backend)(config, self.compute_scheme)
-        weights = experts.prepare_weights(weights)
-        self._store(weights)
-        shared = self._shared_hook() if self.shared_experts is not None else None
-        dispatcher = disp_cls(config, self.compute_scheme, self.parallel)
-        self.kernel = MoEKernel(dispatcher, experts, chunk_size=self.chunk_size, shared_experts=shared)
+        self._store(kernel.experts.prepare_weights(weights))
+        if self.shared_experts is not None:
+            kernel.shared_experts = self._shared_hook()
+        self.kernel = kernel
         self.choice = choice
         return choice
 

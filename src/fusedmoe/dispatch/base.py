@@ -72,6 +72,11 @@ class Dispatcher:
     ) -> Dispatched:
         raise NotImplementedError
 
+    def writes_output(self, reduce: WeightedReduce) -> bool:
+        """True when the experts' output is already the layer's output (nothing to move or reduce):
+        ``MoEKernel`` then hands the experts the output itself and skips ``combine``."""
+        return False
+
     def output_shape(self, d: Dispatched, reduce: WeightedReduce) -> tuple[int, ...]:
         """Shape of the experts' output buffer."""
         raise NotImplementedError

@@ -37,6 +37,11 @@ class LocalDispatcher(Dispatcher):
         a = self.quantize_input(x, topk, weights, a1_scale)
         return Dispatched(a=a, topk=topk, counts=None, num_tokens=x.shape[0])
 
+    def writes_output(self, reduce):
+        # one rank, experts that weight and sum: their [T, H] output is the answer. Without this
+        # the combine copied it (one launch at T=1; 151 us at T=16384, DeepSeek-V3 bf16, H100)
+        return reduce is WeightedReduce.NONE
+
     def output_shape(self, d, reduce):
         t, h = d.num_tokens, self.config.hidden_size
         return (t, h) if reduce is WeightedReduce.NONE else (t, d.topk.top_k, h)

@@ -53,11 +53,12 @@ from ..kernels.align import moe_align
 from ..kernels.grouped_gemm import ActEpilogue, grouped_gemm, grouped_gemm_batched, scheme_key
 from ..kernels.launch_config import gated_act_config, pick_launch_config
 from ..kernels.moe_sum import moe_sum
-from ..quant import QTensor
+from ..quant import Operand, QTensor
 from .base import ALL_SCHEMES, Capabilities, Experts
 
 # Under the interpreter the kernels also run on the CPU (CI checks them there).
 _PLATFORMS = frozenset({"cuda"} | ({"cpu"} if interpreting() else set()))
+
 
 def _needs_native_fp8(scheme) -> bool:
     return scheme.a1 is not None and scheme.a1.dtype.value in ("fp8_e4m3", "mxfp8")
@@ -119,19 +120,7 @@ class _TritonBase(Experts):
         scale = weights.act_scales("a2", sch.a2).get("scale") if ep.quant is not None else None
         data = take(workspace, "a2", (rows, i), ep.out_dtype(cfg.dtype), a.data.device)
         out = data if a.data.dim() == 2 else data.view(*a.data.shape[:2], i)  # batched: [E_l, M, I]
-        gemm(
-            a.data,
-            weights.w13,
-            w_quant=sch.w1,
-            a_quant=sch.a1,
-            a_scale=a.scale,
-            a_global_scale=a.global_scale,
-            bias=weights.b13,
-            out=out,
-            act=ep,
-            act_scale=scale,
-            **kw,
-        )
+        gemm(Operand(a, sch.a1), Operand(weights.w13, sch.w1), bias=weights.b13, out=out, act=ep, act_scale=scale, **kw)
         return QTensor(data, (rows, i), scale=None if scale is None else scale.reshape(1, 1).float())
 
     def _workspace(self, rows: int) -> Workspace:
@@ -180,35 +169,19 @@ class TritonExperts(_TritonBase):
             h = take(workspace, "h", (pairs, cfg.w13_rows), cfg.dtype, dev)
             if expert_map is not None:
                 h.zero_()
-            grouped_gemm(
-                a.data,
-                weights.w13,
-                routing,
-                w_quant=sch.w1,
-                a_quant=sch.a1,
-                a_scale=a.scale,
-                a_global_scale=a.global_scale,
-                bias=weights.b13,
-                a_div=k,
-                out=h,
-                config=lc,
-            )
+            w13 = Operand(weights.w13, sch.w1)
+            grouped_gemm(Operand(a, sch.a1), w13, routing, bias=weights.b13, a_div=k, out=h, config=lc)
             a2_out = _a2_out(workspace, sch.a2, pairs, cfg.intermediate_size, dev)
             a2 = act_and_quantize(h, cfg, sch.a2, out=a2_out, **weights.act_scales("a2", sch.a2))
             a2 = a2 if isinstance(a2, QTensor) else QTensor(a2, tuple(a2.shape))
         y = take(workspace, "y", (pairs, cfg.hidden_size), cfg.dtype, dev)
         lc2 = self._launch_config(pairs, e_l, cfg.hidden_size, cfg.intermediate_size, sch.w2, sch.a2)
         grouped_gemm(
-            a2.data,
-            weights.w2,
+            Operand(a2, sch.a2),
+            Operand(weights.w2, sch.w2),
             routing,
-            w_quant=sch.w2,
-            a_quant=sch.a2,
-            a_scale=a2.scale,
-            a_global_scale=a2.global_scale,
             bias=weights.b2,
             topk_weights=None if cfg.apply_router_weight_on_input else topk.weights,
-            a_div=1,
             out=y,
             config=lc2,
         )
@@ -244,36 +217,22 @@ class TritonBatchedExperts(_TritonBase):
             a2 = self._gemm1_act(a, weights, ep, rows, workspace, grouped_gemm_batched, counts=counts, config=lc1)
         else:
             h = take(workspace, "h", (rows, cfg.w13_rows), cfg.dtype, dev).zero_()
-            grouped_gemm_batched(
-                a.data,
-                weights.w13,
-                counts,
-                w_quant=sch.w1,
-                a_quant=sch.a1,
-                a_scale=a.scale,
-                a_global_scale=a.global_scale,
-                bias=weights.b13,
-                out=h.view(e_l, m, -1),
-                config=lc,
-            )
+            w13 = Operand(weights.w13, sch.w1)
+            grouped_gemm_batched(Operand(a, sch.a1), w13, counts, bias=weights.b13, out=h.view(e_l, m, -1), config=lc)
             a2_out = _a2_out(workspace, sch.a2, rows, cfg.intermediate_size, dev)
             a2 = act_and_quantize(h, cfg, sch.a2, out=a2_out, **weights.act_scales("a2", sch.a2))
+        i = cfg.intermediate_size
         if isinstance(a2, QTensor):
             row_scale = a2.scale is not None and a2.scale.shape[0] == rows
-            data = a2.data.view(e_l, m, -1)
             scale = a2.scale.view(e_l, m, -1) if row_scale else a2.scale
-            a2_scale, a2_g = scale, a2.global_scale
+            a2 = QTensor(a2.data.view(e_l, m, -1), (e_l, m, i), scale=scale, global_scale=a2.global_scale)
         else:
-            data, a2_scale, a2_g = a2.view(e_l, m, -1), None, None
+            a2 = QTensor(a2.view(e_l, m, -1), (e_l, m, i))
         grouped_gemm_batched(
-            data,
-            weights.w2,
+            Operand(a2, sch.a2),
+            Operand(weights.w2, sch.w2),
             counts,
-            w_quant=sch.w2,
-            a_quant=sch.a2,
-            a_scale=a2_scale,
-            a_global_scale=a2_g,
             bias=weights.b2,
             out=out,
-            config=self._launch_config(rows, e_l, cfg.hidden_size, cfg.intermediate_size, sch.w2, sch.a2),
+            config=self._launch_config(rows, e_l, cfg.hidden_size, i, sch.w2, sch.a2),
         )

@@ -49,7 +49,7 @@ from ..activations import apply_activation
 from ..config import Activation, MoEConfig
 from ..errors import expect
 from ..metadata import AlignedRouting
-from ..quant import QDtype, QTensor, TensorQuant, dequantize, fake_quantize, quantize
+from ..quant import Operand, QDtype, TensorQuant, dequantize, fake_quantize, quantize
 from ._common import interpreting
 from ._grouped_gemm import _grouped_gemm_kernel
 from .launch_config import LaunchConfig, fit_launch_config, gated_act_config, pick_launch_config
@@ -208,8 +208,8 @@ def _u8(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def grouped_gemm_launch(
-    a: torch.Tensor,
-    w: QTensor,
+    a: Operand,
+    w: Operand,
     c: torch.Tensor,
     fmt: GemmFormat,
     cfg: LaunchConfig,
@@ -217,8 +217,6 @@ def grouped_gemm_launch(
     routing: AlignedRouting | None = None,
     counts: torch.Tensor | None = None,
     a_div: int = 1,
-    a_scale: torch.Tensor | None = None,
-    a_global_scale: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     route_weights: torch.Tensor | None = None,
     act: ActEpilogue | None = None,
@@ -230,6 +228,8 @@ def grouped_gemm_launch(
     equal ``routing.block_m`` in the standard layout. With ``act``, ``cfg.block_n`` counts
     columns of the activation output C.
     """
+    a_scale, a_global_scale = a.scale, a.global_scale
+    a, w = a.data, w.q
     batched = routing is None
     e_l, n_w, kd = w.shape
     n = n_w if act is None else act.out_cols(n_w)
@@ -346,34 +346,24 @@ def grouped_gemm_launch(
     )
 
 
-def _as_qtensor(w: QTensor | torch.Tensor) -> QTensor:
-    return w if isinstance(w, QTensor) else QTensor(w, tuple(w.shape))
-
-
-def _a_cols(a: torch.Tensor, a_quant: TensorQuant | None) -> int:
-    """Logical K of activations ``a`` (nvfp4 stores two values per byte)."""
-    return a.shape[-1] * (2 if a_quant is not None and a_quant.dtype is QDtype.NVFP4 else 1)
-
-
 def _prepare(
-    a, w, w_quant, a_quant, a_scale, bias, out_dtype, rows_hint: int, config, act, act_scale
-) -> tuple[QTensor, GemmFormat, LaunchConfig, torch.dtype, int]:
-    """Validated operands: (w, format, fitted launch config, C's dtype, C's columns)."""
-    w = _as_qtensor(w)
+    a: Operand, w: Operand, bias, out_dtype, rows_hint: int, config, act, act_scale
+) -> tuple[GemmFormat, LaunchConfig, torch.dtype, int]:
+    """Validated operands: (format, fitted launch config, C's dtype, C's columns)."""
     expect(len(w.shape) == 3, "w", "a [E, N, K] weight", w.shape)
     e_l, n, kd = w.shape
-    expect(_a_cols(a, a_quant) == kd, "a", f"K = {kd} columns (W is {tuple(w.shape)})", tuple(a.shape))
-    expect((w_quant is None) == (w.scale is None), "w_quant", "given exactly when w has a scale", w_quant)
-    fmt = GemmFormat.of(w_quant, a_quant, n, kd, w.zero is not None)
-    if a_quant is None:
-        expect(a.dtype in _TL_DTYPE, "a", "bf16/fp16/fp32 when a_quant is None", a.dtype)
+    expect(a.shape[-1] == kd, "a", f"K = {kd} columns (W is {tuple(w.shape)})", tuple(a.shape))
+    expect((w.quant is None) == (w.scale is None), "w.quant", "given exactly when w has a scale", w.quant)
+    fmt = GemmFormat.of(w.quant, a.quant, n, kd, w.q.zero is not None)
+    if a.quant is None:
+        expect(a.data.dtype in _TL_DTYPE, "a", "bf16/fp16/fp32 when a.quant is None", a.data.dtype)
     else:
-        expect(a_scale is not None, "a_scale", f"a scale for {a_quant.short} activations")
+        expect(a.scale is not None, "a.scale", f"a scale for {a.quant.short} activations")
     if fmt.act_order:
-        expect(w.g_idx is not None, "w.g_idx", "an act-order group map [E, K]")
+        expect(w.q.g_idx is not None, "w.g_idx", "an act-order group map [E, K]")
     if bias is not None:
         expect(tuple(bias.shape) == (e_l, n), "bias", f"shape {(e_l, n)}", tuple(bias.shape))
-    model_dtype = a.dtype if a_quant is None else torch.bfloat16
+    model_dtype = a.data.dtype if a.quant is None else torch.bfloat16
     n_out = n
     if act is not None:
         if act.activation.is_gated:
@@ -388,10 +378,10 @@ def _prepare(
     if out_dtype is None:
         out_dtype = model_dtype
     if config is None:
-        config = pick_launch_config(rows_hint, e_l, n, kd, scheme_key(w_quant, a_quant))
+        config = pick_launch_config(rows_hint, e_l, n, kd, scheme_key(w.quant, a.quant))
         if act is not None and act.activation.is_gated:
             config = gated_act_config(config)
-    return w, fmt, fit_launch_config(config, fmt.k_group, strict=fmt.native), out_dtype, n_out
+    return fmt, fit_launch_config(config, fmt.k_group, strict=fmt.native), out_dtype, n_out
 
 
 def _use_kernel(t: torch.Tensor) -> bool:
@@ -413,14 +403,10 @@ def _fill_from_ref(out: torch.Tensor, ref_fn, act: ActEpilogue | None, act_scale
 
 
 def grouped_gemm(
-    a: torch.Tensor,
-    w: QTensor | torch.Tensor,
+    a: Operand,
+    w: Operand,
     routing: AlignedRouting,
     *,
-    w_quant: TensorQuant | None = None,
-    a_quant: TensorQuant | None = None,
-    a_scale: torch.Tensor | None = None,
-    a_global_scale: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     topk_weights: torch.Tensor | None = None,
     a_div: int = 1,
@@ -432,11 +418,11 @@ def grouped_gemm(
 ) -> torch.Tensor:
     """C [T*K, N] = per-pair A rows @ W[e]^T (+ bias[e]) (* topk weight), standard layout.
 
-    a:   [T, Kd] (a_div = K, GEMM1) or [T*K, Kd] (a_div = 1, GEMM2): the model dtype, or
-         the stored data of ``a_quant`` (fp8/int8 [M, Kd], mxfp8 e4m3 [M, Kd], nvfp4 uint8
-         [M, Kd/2]) with ``a_scale`` ([1, 1], [M, 1] or [M, G]) and, for nvfp4,
-         ``a_global_scale``.
-    w:   [E_l, N, Kd] QTensor quantized as ``w_quant`` (or a float tensor, w_quant None).
+    a:   [T, Kd] (a_div = K, GEMM1) or [T*K, Kd] (a_div = 1, GEMM2): the model dtype
+         (``a.quant`` None), or the stored codes of ``a.quant`` (fp8/int8 [M, Kd], mxfp8 e4m3
+         [M, Kd], nvfp4 uint8 [M, Kd/2] with logical shape [M, Kd]) with their scale ([1, 1],
+         [M, 1] or [M, G]) and, for nvfp4, global scale.
+    w:   [E_l, N, Kd] quantized as ``w.quant`` (or plain values, ``w.quant`` None).
     topk_weights: [T, K] float32; each row of C is multiplied by its pair's weight.
     act: GEMM1's activation in the epilogue: C [T*K, I] = act(A @ W13^T + b13) (* topk
          weight), stored in the model dtype or as ``act.quant`` codes with the static scale
@@ -447,66 +433,39 @@ def grouped_gemm(
     uninitialised (a new tensor).
     """
     num_pairs = routing.num_pairs
-    w, fmt, cfg, out_dtype, n = _prepare(
-        a, w, w_quant, a_quant, a_scale, bias, out_dtype, num_pairs, config, act, act_scale
-    )
+    fmt, cfg, out_dtype, n = _prepare(a, w, bias, out_dtype, num_pairs, config, act, act_scale)
     cfg = replace(cfg, block_m=routing.block_m)
-    expect(a.shape[0] * a_div == num_pairs, "a", f"{num_pairs // max(a_div, 1)} rows for a_div={a_div}", a.shape[0])
+    rows = a.shape[0]
+    expect(rows * a_div == num_pairs, "a", f"{num_pairs // max(a_div, 1)} rows for a_div={a_div}", rows)
     if out is None:
-        out = torch.empty(num_pairs, n, dtype=out_dtype, device=a.device)
+        out = torch.empty(num_pairs, n, dtype=out_dtype, device=a.data.device)
     expect(tuple(out.shape) == (num_pairs, n), "out", f"shape {(num_pairs, n)}", tuple(out.shape))
     if act is not None and act.quant is not None:
         expect(out.dtype == out_dtype, "out", f"{out_dtype} codes for {act.quant.short}", out.dtype)
     if topk_weights is not None:
         expect(topk_weights.numel() == num_pairs, "topk_weights", f"{num_pairs} weights", tuple(topk_weights.shape))
         topk_weights = topk_weights.reshape(-1).float().contiguous()
-    if not _use_kernel(a):
+    if not _use_kernel(a.data):
 
         def ref_fn(ep):
             return grouped_gemm_ref(
-                a,
-                w,
-                routing,
-                w_quant=w_quant,
-                a_quant=a_quant,
-                a_scale=a_scale,
-                a_global_scale=a_global_scale,
-                bias=bias,
-                topk_weights=topk_weights,
-                a_div=a_div,
-                act=ep,
-                act_scale=act_scale,
+                a, w, routing, bias=bias, topk_weights=topk_weights, a_div=a_div, act=ep, act_scale=act_scale,
                 dtype=torch.float32,
-            )
+            )  # fmt: skip
 
         return _fill_from_ref(out, ref_fn, act, act_scale)
     grouped_gemm_launch(
-        a,
-        w,
-        out,
-        fmt,
-        cfg,
-        routing=routing,
-        a_div=a_div,
-        a_scale=a_scale,
-        a_global_scale=a_global_scale,
-        bias=bias,
-        route_weights=topk_weights,
-        act=act,
+        a, w, out, fmt, cfg, routing=routing, a_div=a_div, bias=bias, route_weights=topk_weights, act=act,
         act_scale=act_scale,
-    )
+    )  # fmt: skip
     return out
 
 
 def grouped_gemm_batched(
-    a: torch.Tensor,
-    w: QTensor | torch.Tensor,
+    a: Operand,
+    w: Operand,
     counts: torch.Tensor,
     *,
-    w_quant: TensorQuant | None = None,
-    a_quant: TensorQuant | None = None,
-    a_scale: torch.Tensor | None = None,
-    a_global_scale: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     row_weights: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
@@ -517,55 +476,32 @@ def grouped_gemm_batched(
 ) -> torch.Tensor:
     """C [E_l, M_max, N] = A[e] @ W[e]^T (+ bias[e]) (* row_weights[e, m]) for m < counts[e].
 
-    a: [E_l, M_max, Kd] (or its quantized data, packed [.., Kd/2] for nvfp4) with
-    ``a_scale`` [1, 1], [E_l, M_max, 1] or [E_l, M_max, G]; counts int32 [E_l] on the
-    device (read by the kernel, never by the host). Rows past counts[e] are untouched.
+    a: [E_l, M_max, Kd] (its stored codes when quantized, packed [.., Kd/2] for nvfp4) with a
+    scale [1, 1], [E_l, M_max, 1] or [E_l, M_max, G]; counts int32 [E_l] on the device (read
+    by the kernel, never by the host). Rows past counts[e] are untouched.
     ``act``/``act_scale``: GEMM1's activation in the epilogue, as in ``grouped_gemm``.
     """
     e_l, m_max = a.shape[0], a.shape[1]
-    w, fmt, cfg, out_dtype, n = _prepare(
-        a, w, w_quant, a_quant, a_scale, bias, out_dtype, e_l * m_max, config, act, act_scale
-    )
+    fmt, cfg, out_dtype, n = _prepare(a, w, bias, out_dtype, e_l * m_max, config, act, act_scale)
     expect(w.shape[0] == e_l, "w", f"{e_l} experts (a is {tuple(a.shape)})", w.shape)
     expect(tuple(counts.shape) == (e_l,) and counts.dtype == torch.int32, "counts", f"int32 [{e_l}]", counts)
     counts = counts.contiguous()  # the kernel reads counts[e] at counts_ptr + e (a strided view came from EP)
     if out is None:
-        out = torch.empty(e_l, m_max, n, dtype=out_dtype, device=a.device)
+        out = torch.empty(e_l, m_max, n, dtype=out_dtype, device=a.data.device)
     expect(tuple(out.shape) == (e_l, m_max, n), "out", f"shape {(e_l, m_max, n)}", tuple(out.shape))
     if act is not None and act.quant is not None:
         expect(out.dtype == out_dtype, "out", f"{out_dtype} codes for {act.quant.short}", out.dtype)
-    if not _use_kernel(a):
+    if not _use_kernel(a.data):
 
         def ref_fn(ep):
             return grouped_gemm_batched_ref(
-                a,
-                w,
-                counts,
-                w_quant=w_quant,
-                a_quant=a_quant,
-                a_scale=a_scale,
-                a_global_scale=a_global_scale,
-                bias=bias,
-                row_weights=row_weights,
-                act=ep,
-                act_scale=act_scale,
-                dtype=torch.float32,
+                a, w, counts, bias=bias, row_weights=row_weights, act=ep, act_scale=act_scale, dtype=torch.float32
             )
 
         return _fill_from_ref(out, ref_fn, act, act_scale)
+    route_weights = None if row_weights is None else row_weights.float()
     grouped_gemm_launch(
-        a,
-        w,
-        out,
-        fmt,
-        cfg,
-        counts=counts,
-        a_scale=a_scale,
-        a_global_scale=a_global_scale,
-        bias=bias,
-        route_weights=None if row_weights is None else row_weights.float(),
-        act=act,
-        act_scale=act_scale,
+        a, w, out, fmt, cfg, counts=counts, bias=bias, route_weights=route_weights, act=act, act_scale=act_scale
     )
     return out
 
@@ -573,16 +509,9 @@ def grouped_gemm_batched(
 # ---- references (PyTorch, any dtype; float64 in tests) ------------------------------
 
 
-def _dequant_a(a, a_quant, a_scale, a_global_scale, dtype) -> torch.Tensor:
-    if a_quant is None:
-        return a.to(dtype)
-    q = QTensor(a, (*a.shape[:-1], _a_cols(a, a_quant)), scale=a_scale, global_scale=a_global_scale)
-    return dequantize(q, a_quant, dtype)
-
-
-def _dequant_w(w, w_quant, dtype) -> torch.Tensor:
-    w = _as_qtensor(w)
-    return w.data.to(dtype) if w_quant is None else dequantize(w, w_quant, dtype)
+def _values(x: Operand, dtype) -> torch.Tensor:
+    """The real values of an operand, in ``dtype``."""
+    return x.data.to(dtype) if x.quant is None else dequantize(x.q, x.quant, dtype)
 
 
 def _epilogue_ref(y, bias, weights, act, dtype) -> torch.Tensor:
@@ -606,14 +535,10 @@ def _quantize_ref(out: torch.Tensor, act: ActEpilogue | None, act_scale) -> torc
 
 
 def grouped_gemm_ref(
-    a: torch.Tensor,
-    w: QTensor | torch.Tensor,
+    a: Operand,
+    w: Operand,
     routing: AlignedRouting,
     *,
-    w_quant: TensorQuant | None = None,
-    a_quant: TensorQuant | None = None,
-    a_scale: torch.Tensor | None = None,
-    a_global_scale: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     topk_weights: torch.Tensor | None = None,
     a_div: int = 1,
@@ -624,11 +549,11 @@ def grouped_gemm_ref(
     """``grouped_gemm`` from dequantized operands in ``dtype``; rows not written are NaN.
 
     With ``act.quant``, the values of the codes (``fake_quantize``), not the codes."""
-    n = _as_qtensor(w).shape[1]
+    n = w.shape[1]
     n_out = n if act is None else act.out_cols(n)
-    ad = _dequant_a(a, a_quant, a_scale, a_global_scale, dtype)
-    wd = _dequant_w(w, w_quant, dtype)
-    out = torch.full((routing.num_pairs, n_out), float("nan"), dtype=dtype, device=a.device)
+    ad = _values(a, dtype)
+    wd = _values(w, dtype)
+    out = torch.full((routing.num_pairs, n_out), float("nan"), dtype=dtype, device=a.data.device)
     slots = routing.sorted_ids.long()
     expert = routing.block_expert.long().repeat_interleave(routing.block_m)
     real = (slots < routing.num_pairs) & (expert >= 0)
@@ -641,14 +566,10 @@ def grouped_gemm_ref(
 
 
 def grouped_gemm_batched_ref(
-    a: torch.Tensor,
-    w: QTensor | torch.Tensor,
+    a: Operand,
+    w: Operand,
     counts: torch.Tensor,
     *,
-    w_quant: TensorQuant | None = None,
-    a_quant: TensorQuant | None = None,
-    a_scale: torch.Tensor | None = None,
-    a_global_scale: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     row_weights: torch.Tensor | None = None,
     act: ActEpilogue | None = None,
@@ -657,11 +578,11 @@ def grouped_gemm_batched_ref(
 ) -> torch.Tensor:
     """``grouped_gemm_batched`` from dequantized operands in ``dtype``; rows not written are NaN."""
     e_l, m_max = a.shape[0], a.shape[1]
-    n = _as_qtensor(w).shape[1]
+    n = w.shape[1]
     n_out = n if act is None else act.out_cols(n)
-    ad = _dequant_a(a, a_quant, a_scale, a_global_scale, dtype)
-    wd = _dequant_w(w, w_quant, dtype)
-    out = torch.full((e_l, m_max, n_out), float("nan"), dtype=dtype, device=a.device)
+    ad = _values(a, dtype)
+    wd = _values(w, dtype)
+    out = torch.full((e_l, m_max, n_out), float("nan"), dtype=dtype, device=a.data.device)
     for e, cnt in enumerate(counts.tolist()):
         cnt = min(cnt, m_max)
         weights = None if row_weights is None else row_weights[e, :cnt]

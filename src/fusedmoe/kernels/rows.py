@@ -14,7 +14,7 @@ all K rows of each received token and mask 3 in 4 of them away (EP4, K 8), about
 bytes, in fp32. It adds in fp32 with j in order and rounds once, so it is deterministic.
 
 On CUDA these launch the Triton kernels of ``_rows.py``; elsewhere (gloo CI) they run the
-PyTorch references, which ``tests/test_ep.py`` also checks the kernels against under the
+PyTorch references, which ``tests/dispatch/test_ep.py`` also checks the kernels against under the
 Triton interpreter. Not registered as torch.library ops: they only run inside the
 dispatchers, which sit behind ``fusedmoe::moe_forward`` under ``torch.compile``.
 """

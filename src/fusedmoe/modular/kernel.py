@@ -87,6 +87,7 @@ class MoEKernel:
         # the experts choose their launch configs; backends without such choices ignore it
         experts.deterministic = deterministic
         self._buffers: dict[str, dict[str, torch.Tensor]] | None = None
+        self.choice = None  # the oracle's Choice when built by ``oracle.build_kernel``
         self.name = register_kernel(self, name)
 
     # A copy (deepcopy of a model, unpickling) is a new kernel: it registers under a fresh
@@ -117,10 +118,9 @@ class MoEKernel:
         else:
             rows = self.dispatcher.max_tokens_per_rank(step)  # M, rows per expert
             y_rows = e_l * rows
-        parts = {
-            "experts": self.experts.workspace(rows, e_l),
-            "kernel": Workspace({"y": ((y_rows, c.hidden_size), c.dtype)}),
-        }
+        parts = {"experts": self.experts.workspace(rows, e_l)}
+        if not self.dispatcher.writes_output(self.experts.reduce):
+            parts["kernel"] = Workspace({"y": ((y_rows, c.hidden_size), c.dtype)})
         plan = getattr(self.dispatcher, "workspace", None)
         if plan is not None:
             parts["dispatch"] = plan(step, e_l)
@@ -149,6 +149,7 @@ class MoEKernel:
             dev = torch.device("cuda", torch.cuda.current_device())
         parts = self._workspace_parts(max_tokens, num_local_experts)
         self._buffers = {part: ws.allocate(dev) for part, ws in parts.items()}
+        self._device = dev
         return self.buffers
 
     @property
@@ -157,7 +158,7 @@ class MoEKernel:
         return {f"{p}.{k}": t for p, bufs in (self._buffers or {}).items() for k, t in bufs.items()}
 
     def _buffers_for(self, x: torch.Tensor) -> dict[str, dict[str, torch.Tensor]]:
-        if self._buffers is None or self._buffers["kernel"]["y"].device != x.device:
+        if self._buffers is None or self._device != x.device:
             return {}
         return self._buffers
 
@@ -214,6 +215,7 @@ class MoEKernel:
         a1_scale = self._pinned_a1_scale(x, t)
         bufs = self._buffers_for(x)
         shared_fn = self.shared_experts if shared else None
+        direct = self.dispatcher.writes_output(self.experts.reduce)
         for c in range(n_chunks):
             s = min(c * step, t)
             e = min(t, s + step)
@@ -221,14 +223,18 @@ class MoEKernel:
             tk = TopK(topk.ids[s:e], topk.weights[s:e])
             kw = {"workspace": bufs["dispatch"]} if "dispatch" in bufs else {}
             d = self.dispatcher.dispatch(xc, tk, weights, expert_map=expert_map, a1_scale=a1_scale, **kw)
-            y_shape = self.dispatcher.output_shape(d, self.experts.reduce)
-            y = take(bufs.get("kernel"), "y", y_shape, x.dtype, x.device)
+            if direct:
+                y = out[s:e]
+            else:
+                y_shape = self.dispatcher.output_shape(d, self.experts.reduce)
+                y = take(bufs.get("kernel"), "y", y_shape, x.dtype, x.device)
             if self.experts.layout is TokenLayout.STANDARD:
                 self.experts.apply(d.a, d.topk, weights, y, expert_map=expert_map, workspace=bufs.get("experts"))
             else:
                 self.experts.apply_batched(d.a, d.counts, weights, y, workspace=bufs.get("experts"))
             sh = shared_fn(xc) if shared_fn is not None else None
-            self.dispatcher.combine(y, d, out[s:e], self.experts.reduce)
+            if not direct:
+                self.dispatcher.combine(y, d, out[s:e], self.experts.reduce)
             if sh is not None:
                 out[s:e] += sh
         return out

@@ -23,7 +23,7 @@ every other token's output exactly as it would be without it: rows never mix,
 except through a per-tensor *dynamic* activation scale (schemes
 ``fp8_tensor`` and ``int8_w8a8_tensor``), an abs-max over all tokens, where
 one bad token may make every token NaN. With value checks on, a non-finite
-input raises instead. tests/test_validation.py checks this policy on the cpu
+input raises instead. tests/modular/test_validation.py checks this policy on the cpu
 and reference backends for every activation format.
 
 Every error is a ``FusedMoEError`` (``UnsupportedError`` for sizes a scheme's

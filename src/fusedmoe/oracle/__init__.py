@@ -38,13 +38,7 @@ from .padding import padded_sizes
 from .priorities import candidates, explicit_only, family_variant, platform_class
 from .registry import experts_backends
 
-FAMILIES = ("unquantized", "fp8", "int8", "wna16", "mxfp4", "nvfp4")
 _SHAPE_RULE_FAMILIES = ("unquantized", "fp8")
-
-
-def family_env(family: str) -> str:
-    """The environment variable that picks the backend of one scheme family."""
-    return f"FUSEDMOE_{family.upper()}_BACKEND"
 
 
 def _activations(scheme: QuantScheme) -> str:
@@ -149,7 +143,7 @@ def _request(backend: str | None, scheme: QuantScheme) -> tuple[str | None, str 
     """(requested backend or None for auto, where the request came from)."""
     if backend not in (None, "auto"):
         return backend, "argument"
-    for var in (family_env(scheme.family), env.BACKEND):
+    for var in (env.family_backend(scheme.family), env.BACKEND):
         value = env.raw(var)
         if value and value != "auto":
             return value, var
@@ -216,4 +210,4 @@ def select_experts(
     return choice
 
 
-__all__ = ["Choice", "FAMILIES", "Verdict", "family_env", "select_experts"]
+__all__ = ["Choice", "Verdict", "select_experts"]

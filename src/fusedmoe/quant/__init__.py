@@ -2,11 +2,12 @@
 
 from .formats import FORMATS, dequantize, fake_quantize, quantize
 from .scheme import Granularity, QDtype, QuantScheme, TensorQuant, all_schemes
-from .tensor import QTensor
+from .tensor import Operand, QTensor
 
 __all__ = [
     "FORMATS",
     "Granularity",
+    "Operand",
     "QDtype",
     "QTensor",
     "QuantScheme",

@@ -4,9 +4,11 @@ A ``QTensor`` is a quantized operand: its stored ``data`` plus whatever the
 format needs to dequantize it. ``shape`` is the logical (unpacked) shape;
 ``data`` may be packed (two int4/e2m1 values per uint8 along the last dim).
 
-The generic ``quantize`` / ``dequantize`` dispatch on ``TensorQuant.dtype`` to
-the format modules (fp8, int8, int4, mxfp4, nvfp4, mxfp8); each module
-registers itself in ``FORMATS``.
+An ``Operand`` is what a kernel multiplies: a ``QTensor`` with the ``TensorQuant`` that says
+how it was quantized (None: plain values in the model dtype).
+
+``quant.formats`` holds ``quantize`` / ``dequantize``, which dispatch on ``TensorQuant.dtype``
+to the format modules (fp8, int8, int4, mxfp4, nvfp4, mxfp8).
 """
 
 from __future__ import annotations
@@ -82,6 +84,37 @@ class QTensor:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+
+@dataclass(frozen=True)
+class Operand:
+    """A GEMM operand: the stored tensor (``q``) and how it is quantized (``quant``; None when
+    ``q.data`` holds plain values in the model dtype). One argument instead of the data, the
+    TensorQuant, the scale and the global scale passed side by side."""
+
+    q: QTensor
+    quant: TensorQuant | None = None
+
+    @classmethod
+    def of(cls, t: QTensor | torch.Tensor, quant: TensorQuant | None = None) -> Operand:
+        """An operand from a ``QTensor`` or a plain tensor (logical shape = its shape)."""
+        return cls(t if isinstance(t, QTensor) else QTensor(t, tuple(t.shape)), quant)
+
+    @property
+    def data(self) -> torch.Tensor:
+        return self.q.data
+
+    @property
+    def scale(self) -> torch.Tensor | None:
+        return self.q.scale
+
+    @property
+    def global_scale(self) -> torch.Tensor | None:
+        return self.q.global_scale
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.q.shape
 
 
 class Format(Protocol):

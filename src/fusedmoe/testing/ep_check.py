@@ -1,6 +1,6 @@
 """Expert-parallel checks: each EP dispatcher x experts x scheme against the single-rank float64 reference.
 
-Shared by ``tests/test_ep.py`` (gloo on the CPU, forked processes) and
+Shared by ``tests/dispatch/test_ep.py`` (gloo on the CPU, forked processes) and
 ``scripts/ep_suite.sh`` (NCCL, one GPU per rank)::
 
     torchrun --standalone --nproc-per-node 4 -m fusedmoe.testing.ep_check --out $OUT
@@ -276,7 +276,7 @@ def standard_cases(
 
 
 def cpu_cases(world: int) -> list[EPCase]:
-    """What tests/test_ep.py runs per world: uneven tokens (a rank with none), 7 experts (uneven), both
+    """What tests/dispatch/test_ep.py runs per world: uneven tokens (a rank with none), 7 experts (uneven), both
     placements across the two worlds, the router weight on the input for every dispatcher, and on 2
     ranks the other wire formats (static per-tensor scale, int8 groups, MX e8m0 scales, packed NVFP4
     with e4m3 scales and a global scale)."""

@@ -256,32 +256,26 @@ class TorchGroupedMM:
 
 def _implementations(config, scheme, weights, providers, max_tokens):
     """{provider: (impl(x, topk) -> out, graph-capturable, largest T)}; refusals printed."""
-    from ..dispatch.local import LocalDispatcher
     from ..errors import UnsupportedError
-    from ..experts.cpu import LoopExperts
-    from ..modular.kernel import MoEKernel
-    from ..oracle import select_experts
-    from ..oracle.registry import get_experts
+    from ..oracle.build import build_kernel
 
-    def kernel(experts):
-        kern = MoEKernel(LocalDispatcher(config, scheme), experts)
-        kern.allocate(max_tokens, "cuda")  # workspace up front: what CUDA-graph capture needs
-        return partial(_call_kernel, kern, experts.prepare_weights(weights))
+    def kernel(backend: str, max_t: int):
+        kern = build_kernel(config, scheme, backend=backend, num_tokens=max_tokens)
+        if max_t == max_tokens:
+            kern.allocate(max_tokens, "cuda")  # workspace up front: what CUDA-graph capture needs
+        return partial(_call_kernel, kern, kern.experts.prepare_weights(weights))
 
     out = {}
     for name in providers:
         try:
             if name == "fusedmoe":
-                backend = select_experts(config, scheme, num_tokens=max_tokens).backend
-                out[name] = (kernel(get_experts(backend)(config, scheme)), True, max_tokens)
+                out[name] = (kernel("auto", max_tokens), True, max_tokens)
             elif name == "grouped_mm":
-                select_experts(config, scheme, backend="grouped_mm")
-                out[name] = (kernel(get_experts("grouped_mm")(config, scheme)), True, max_tokens)
+                out[name] = (kernel("grouped_mm", max_tokens), True, max_tokens)
             elif name == "torch_grouped_mm":
                 out[name] = (TorchGroupedMM(config, scheme, weights), True, max_tokens)
             elif name == "loop":
-                kern = MoEKernel(LocalDispatcher(config, scheme), LoopExperts(config, scheme))
-                out[name] = (partial(_call_kernel, kern, weights), False, 64)
+                out[name] = (kernel("loop", 64), False, 64)
         except (UnsupportedError, NotImplementedError) as e:
             print(f"{config.num_experts}x{scheme.name}: provider {name} not run: {e}"[:300])
     return out

@@ -51,7 +51,6 @@ from ..dispatch.ep.all2all import All2AllDispatcher
 from ..dispatch.ep.allgather import AllGatherReduceScatterDispatcher
 from ..dispatch.ep.groups import comm_device, init_ep
 from ..dispatch.ep.low_latency import All2AllLowLatencyDispatcher
-from ..dispatch.local import LocalDispatcher
 from ..metadata import TopK
 from ..quant import QTensor, QuantScheme
 from ..testing import random_topk
@@ -250,16 +249,17 @@ def exchange_cell(name, mode, config, scheme, parallel, weights, x, topk, emap, 
 
 
 # ---- 2. the layer ------------------------------------------------------------------------------
-def _experts(config, scheme, layout, num_tokens):
-    from ..oracle import select_experts
-    from ..oracle.registry import get_experts
+def _kernel(config, scheme, num_tokens, *, dispatcher="local", parallel=None, options=None):
+    """The layer's kernel as the library builds it; the ranks' device decides the platform
+    (gloo runs on the CPU even where a GPU is present)."""
+    from ..oracle.build import build_kernel
     from ..platform import Platform, current_platform
 
-    # the ranks' device decides (gloo runs on the CPU even where a GPU is present)
     plat = current_platform() if _on_cuda() else Platform("cpu")
-    choice = select_experts(config, scheme, platform=plat, layout=layout, expert_map=True, num_tokens=num_tokens)
-    eff = choice.effective_scheme or scheme
-    return get_experts(choice.backend)(config, eff), eff
+    return build_kernel(
+        config, scheme, dispatcher=dispatcher, parallel=parallel, platform=plat, expert_map=True,
+        num_tokens=num_tokens, dispatcher_options=options,
+    )  # fmt: skip
 
 
 def _layer_weights(config, scheme, num_experts: int, device):
@@ -286,18 +286,16 @@ def _time_layer(kern, x, topk, weights, emap, iters, collective: bool) -> dict:
 
 
 def _one_gpu_cells(config, scheme, scheme_name, tokens, world, device, iters) -> list[dict]:
-    from ..modular.kernel import MoEKernel
-
     rows = []
-    experts, eff = _experts(config, scheme, TokenLayout.STANDARD, world * max(tokens))
-    full = experts.prepare_weights(_layer_weights(config, eff, config.num_experts, device))
+    first = _kernel(config, scheme, world * max(tokens))
+    full = first.experts.prepare_weights(_layer_weights(config, first.scheme, config.num_experts, device))
     for t in tokens:
         g = torch.Generator(device=device).manual_seed(7 + t)
         x = torch.randn(world * t, config.hidden_size, generator=g, device=device).to(config.dtype)
         topk = TopK(*random_topk(world * t, config.num_experts, config.top_k, g))
-        kern = MoEKernel(LocalDispatcher(config, eff), experts)
+        kern = _kernel(config, scheme, world * max(tokens))
         kern.allocate(world * t, device)
-        row = {"scheme": scheme_name, "tokens": t, "setup": "1 GPU", "experts": experts.name}
+        row = {"scheme": scheme_name, "tokens": t, "setup": "1 GPU", "experts": kern.experts.name}
         try:
             row.update(_time_layer(kern, x, topk, full, None, iters, collective=False))
         except Exception as e:
@@ -308,8 +306,6 @@ def _one_gpu_cells(config, scheme, scheme_name, tokens, world, device, iters) ->
 
 def layer_cells(config, scheme_name, tokens, parallel, device, iters, capacity_of) -> list[dict]:
     """One GPU (rank 0) against EP, per T in ``tokens`` (see the module docstring)."""
-    from ..modular.kernel import MoEKernel
-
     rank, world = parallel.ep_rank, parallel.ep_size
     scheme = QuantScheme.by_name(scheme_name)
     rows = []
@@ -337,14 +333,13 @@ def layer_cells(config, scheme_name, tokens, parallel, device, iters, capacity_o
             cls = DISPATCHERS[name]
             row = {"scheme": scheme_name, "tokens": t, "setup": f"EP{world} {name}"}
             try:
-                experts, eff = _experts(config, scheme, cls.layout, t)
-                key = (experts.name, eff.name)
+                opts = {"capacity": capacity, "raise_on_overflow": False} if cls is All2AllLowLatencyDispatcher else {}
+                kern = _kernel(config, scheme, t, dispatcher=name, parallel=parallel, options=opts)
+                key = (kern.experts.name, kern.scheme.name)
                 if key not in cache:
-                    cache[key] = experts.prepare_weights(_layer_weights(config, eff, e_l, device))
-                disp = make(name, config, eff, parallel, capacity)
-                kern = MoEKernel(disp, experts)
+                    cache[key] = kern.experts.prepare_weights(_layer_weights(config, kern.scheme, e_l, device))
                 kern.allocate(t, device)
-                row["experts"] = experts.name
+                row["experts"] = kern.experts.name
                 em = emap if cls.layout is TokenLayout.STANDARD else None
                 row.update(_time_layer(kern, x, topk, cache[key], em, iters, collective=True))
             except Exception as e:

@@ -57,7 +57,7 @@ from ..kernels.align import moe_align, moe_align_ref
 from ..kernels.grouped_gemm import GemmFormat, grouped_gemm, scheme_key
 from ..kernels.launch_config import LaunchConfig, default_launch_config, fit_launch_config
 from ..kernels.tuned_configs import PACKAGE_DIR, clear_cache, config_path
-from ..quant import QuantScheme, quantize
+from ..quant import Operand, QuantScheme, quantize
 from ..quant.scheme import shape_supported
 from ..testing import random_topk, rel_error
 from .presets import preset_config
@@ -182,12 +182,8 @@ class _Operands:
     kd: int
     key: str  # scheme_key: the tuned-config folder
     fmt: GemmFormat
-    a: torch.Tensor
-    a_scale: torch.Tensor | None
-    a_gs: torch.Tensor | None
-    w: object  # QTensor
-    w_quant: object
-    a_quant: object
+    a: Operand
+    w: Operand
     bias: torch.Tensor | None
     topk_weights: torch.Tensor | None
     a_div: int
@@ -219,18 +215,7 @@ def _launch(op: _Operands, cfg: LaunchConfig, routing) -> torch.Tensor:
     the GEMM as the layer launches it; a launch option of the layer (GEMM1's fused activation)
     goes in here and in ``_Operands``."""
     return grouped_gemm(
-        op.a,
-        op.w,
-        routing,
-        w_quant=op.w_quant,
-        a_quant=op.a_quant,
-        a_scale=op.a_scale,
-        a_global_scale=op.a_gs,
-        bias=op.bias,
-        topk_weights=op.topk_weights,
-        a_div=op.a_div,
-        out=op.out,
-        config=cfg,
+        op.a, op.w, routing, bias=op.bias, topk_weights=op.topk_weights, a_div=op.a_div, out=op.out, config=cfg
     )
 
 
@@ -271,12 +256,8 @@ def _operands(config, scheme, weights, gemm: str, t: int, device, ids, route_w) 
         kd=kd,
         key=scheme_key(wq_t, aq_t),
         fmt=GemmFormat.of(wq_t, aq_t, n, kd, w.zero is not None),
-        a=a if aq is None else aq.data,
-        a_scale=None if aq is None else aq.scale,
-        a_gs=None if aq is None else aq.global_scale,
-        w=w,
-        w_quant=wq_t,
-        a_quant=aq_t,
+        a=Operand.of(a if aq is None else aq, aq_t),
+        w=Operand(w, wq_t),
         bias=bias,
         topk_weights=rw,
         a_div=a_div,

@@ -41,18 +41,22 @@ def test_declared_workspace_is_flat_beyond_the_chunk_size(path, scheme):
     sizes = {t: kernel.workspace(t).nbytes() for t in TOKENS}
     print(path, scheme, {t: f"{b / 2**20:.1f} MiB" for t, b in sizes.items()})
     small = [sizes[t] for t in TOKENS if t <= CHUNK]
+    if path == "local+cpu":
+        # the cpu experts declare nothing and write the layer's output directly (no copy, no buffer)
+        assert set(sizes.values()) == {0}
+        return
     assert small == sorted(small) and small[0] < small[-1], "the workspace should grow with T up to a chunk"
     assert all(sizes[t] == sizes[CHUNK] for t in TOKENS if t >= CHUNK)
 
 
 def test_declared_workspace_of_triton_adds_up():
-    # one chunk of standard triton bf16: a2 [TK, I] + y [TK, H] + the output [T, H], and h [TK, 2I]
-    # only when the activation is not fused into GEMM1
+    # one chunk of standard triton bf16: a2 [TK, I] + y [TK, H], and h [TK, 2I] only when the
+    # activation is not fused into GEMM1; the experts sum into the layer's output itself
     kernel = _kernel("local+triton", QuantScheme.unquantized())
     tk, i, h = CHUNK * CONFIG.top_k, CONFIG.intermediate_size, CONFIG.hidden_size
-    assert kernel.workspace(10**6).nbytes() == 2 * (tk * i + tk * h + CHUNK * h)
+    assert kernel.workspace(10**6).nbytes() == 2 * (tk * i + tk * h)
     kernel.experts.fuse_act = False
-    assert kernel.workspace(10**6).nbytes() == 2 * (tk * 2 * i + tk * i + tk * h + CHUNK * h)
+    assert kernel.workspace(10**6).nbytes() == 2 * (tk * 2 * i + tk * i + tk * h)
 
 
 def test_fixed_capacity_workspace_does_not_depend_on_t():

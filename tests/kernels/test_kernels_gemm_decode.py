@@ -32,6 +32,24 @@ import dataclasses
 
 import pytest
 import torch
+from test_fused_act import _compare as compare_layer
+from test_fused_act import _config as layer_config
+from test_kernels_gemm import (
+    ACT_SCHEMES,
+    BY_NAME,
+    DEVICE,
+    SCHEMES,
+    _act_tol,
+    _epilogue,
+    _static_scale,
+    _tol,
+    _values,
+    check,
+    check_act,
+    make_operands,
+    needs_cuda,
+    needs_triton,
+)
 from triton.runtime import interpreter
 from triton.runtime.errors import InterpreterError
 
@@ -56,24 +74,6 @@ from fusedmoe.kernels.launch_config import (
 )
 from fusedmoe.quant import QuantScheme
 from fusedmoe.testing import EDGE_CASES, ODD_CASES, make_problem, poison_, random_topk, rel_error
-from test_fused_act import _compare as compare_layer
-from test_fused_act import _config as layer_config
-from test_kernels_gemm import (
-    ACT_SCHEMES,
-    BY_NAME,
-    DEVICE,
-    SCHEMES,
-    _act_tol,
-    _epilogue,
-    _static_scale,
-    _tol,
-    _values,
-    check,
-    check_act,
-    make_operands,
-    needs_cuda,
-    needs_triton,
-)
 
 FMA_BMS = [1, 2, 4, 8]
 DOT_BM = 16
@@ -136,7 +136,7 @@ def run(
             return {}
 
     b = (torch.randn(e_l, n_w, generator=gen) * 0.1).to(torch.bfloat16).to(DEVICE) if bias else None
-    kw = dict(bias=b, **ops.kw, **extra)
+    kw = dict(bias=b, **extra)
     scale = None
     if ep is not None and ep.quant is not None:
         scale = _static_scale(ref_fn(ops.a, ops.w, **per_bm(bm), act=dataclasses.replace(ep, quant=None), **kw), ep)
@@ -294,7 +294,7 @@ def _one_call(scheme: QuantScheme, bm: int) -> None:
     r = moe_align_ref(ids.to(DEVICE), 4, bm)
     ops = make_operands(scheme, 3, 4, 32, 64, gen)
     with override_launch_config(_cfg(bm)):
-        grouped_gemm(ops.a, ops.w, r, a_div=2, **ops.kw)
+        grouped_gemm(ops.a, ops.w, r, a_div=2)
 
 
 # ---- launch configs with BM < 16 ------------------------------------------------------------

@@ -40,6 +40,7 @@ from fusedmoe.kernels.launch_config import (
 )
 from fusedmoe.quant import (
     Granularity,
+    Operand,
     QDtype,
     QTensor,
     QuantScheme,
@@ -94,9 +95,8 @@ BY_NAME = {s.name: s for s in SCHEMES}
 
 @dataclasses.dataclass
 class Operands:
-    a: torch.Tensor
-    w: QTensor
-    kw: dict  # w_quant, a_quant, a_scale, a_global_scale
+    a: Operand  # activations quantized as scheme.a1 (or plain)
+    w: Operand  # weights quantized as scheme.w1
 
 
 def make_operands(
@@ -117,19 +117,14 @@ def make_operands(
     else:
         g_idx = random_g_idx(e, kd, scheme.w1.granularity.group_size) if scheme.w1.act_order else None
         wq = quantize(w, scheme.w1, g_idx=g_idx)
-    kw = {"w_quant": scheme.w1}
     if scheme.a1 is None:
-        a = x
+        qa = QTensor(x, tuple(x.shape))
     else:
         static = {}
         if scheme.a1.has_global_scale:  # static, as a checkpoint stores it (calibrated amax 4)
             static["global_scale"] = nvfp4_global_scale(torch.tensor(4.0)).reshape(1, 1)
         qa = quantize(x.float(), scheme.a1, **static)
-        a = qa.data
-        kw.update(a_quant=scheme.a1, a_scale=qa.scale, a_global_scale=qa.global_scale)
-    dev = DEVICE
-    kw = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
-    return Operands(a.to(dev), wq.to(dev), kw)
+    return Operands(Operand(qa.to(DEVICE), scheme.a1), Operand(wq.to(DEVICE), scheme.w1))
 
 
 def _tol(scheme: QuantScheme, out_dtype: torch.dtype) -> float:
@@ -179,8 +174,8 @@ def run_standard(
     b = (torch.randn(e_l, n, generator=gen) * 0.1).to(torch.bfloat16).to(DEVICE) if bias else None
     extra = dict(bias=b, topk_weights=tw if weighted else None, a_div=a_div)
     out = poison_(torch.empty(t * k, n, dtype=out_dtype, device=DEVICE))
-    grouped_gemm(ops.a, ops.w, r, out=out, config=config, **ops.kw, **extra)
-    ref = grouped_gemm_ref(ops.a, ops.w, r, **ops.kw, **extra)
+    grouped_gemm(ops.a, ops.w, r, out=out, config=config, **extra)
+    ref = grouped_gemm_ref(ops.a, ops.w, r, **extra)
     check(out, ref, _tol(scheme, out_dtype))
 
 
@@ -221,8 +216,8 @@ def test_gemm_fp16_activations():
     r = moe_align_ref(ids.to(DEVICE), 4, 16)
     ops = make_operands(QuantScheme.unquantized(), 6, 4, 32, 64, gen, dtype=torch.float16)
     out = poison_(torch.empty(12, 32, dtype=torch.float16, device=DEVICE))
-    grouped_gemm(ops.a, ops.w, r, out=out, a_div=2, config=TINY, **ops.kw)
-    check(out, grouped_gemm_ref(ops.a, ops.w, r, a_div=2, **ops.kw), 4e-3)
+    grouped_gemm(ops.a, ops.w, r, out=out, a_div=2, config=TINY)
+    check(out, grouped_gemm_ref(ops.a, ops.w, r, a_div=2), 4e-3)
 
 
 # ---- labelled edge cases -----------------------------------------------------------
@@ -264,8 +259,8 @@ def run_batched(
     b = (torch.randn(e, n, generator=gen) * 0.1).to(DEVICE) if bias else None
     rw = torch.rand(e, m_max, generator=gen).to(DEVICE) if weighted else None
     out = poison_(torch.empty(e, m_max, n, dtype=out_dtype, device=DEVICE))
-    grouped_gemm_batched(ops.a, ops.w, cnt, out=out, bias=b, row_weights=rw, config=TINY, **ops.kw)
-    ref = grouped_gemm_batched_ref(ops.a, ops.w, cnt, bias=b, row_weights=rw, **ops.kw)
+    grouped_gemm_batched(ops.a, ops.w, cnt, out=out, bias=b, row_weights=rw, config=TINY)
+    ref = grouped_gemm_batched_ref(ops.a, ops.w, cnt, bias=b, row_weights=rw)
     check(out, ref, _tol(scheme, out_dtype))
 
 
@@ -332,8 +327,8 @@ def test_cpu_path_is_ref(monkeypatch):
     r = moe_align_ref(ids, 4, 16)
     ops = make_operands(BY_NAME["int4_g32"], 5, 4, 32, 64, gen)
     out = poison_(torch.empty(10, 32))
-    grouped_gemm(ops.a, ops.w, r, out=out, a_div=2, topk_weights=tw, **ops.kw)
-    check(out, grouped_gemm_ref(ops.a, ops.w, r, a_div=2, topk_weights=tw, **ops.kw), 1e-5)
+    grouped_gemm(ops.a, ops.w, r, out=out, a_div=2, topk_weights=tw)
+    check(out, grouped_gemm_ref(ops.a, ops.w, r, a_div=2, topk_weights=tw), 1e-5)
 
 
 # ---- real shapes (GPU) ---------------------------------------------------------------
@@ -471,19 +466,19 @@ def run_act(scheme, act, *, batched=False, weighted=False, out_dtype=torch.float
         gemm, gemm_ref, rows = grouped_gemm, grouped_gemm_ref, (t * k,)
     bias = (torch.randn(e_l, n_w, generator=gen) * 0.1).to(torch.bfloat16).to(DEVICE)
     plain = dataclasses.replace(ep, quant=None)
-    scale = _static_scale(gemm_ref(ops.a, ops.w, bias=bias, act=plain, **ops.kw, **extra), ep)
-    ref = gemm_ref(ops.a, ops.w, bias=bias, act=ep, act_scale=scale, **ops.kw, **extra)
+    scale = _static_scale(gemm_ref(ops.a, ops.w, bias=bias, act=plain, **extra), ep)
+    ref = gemm_ref(ops.a, ops.w, bias=bias, act=ep, act_scale=scale, **extra)
 
     c_dtype = ep.out_dtype(out_dtype)
     out = poison_(torch.empty(*rows, i, dtype=c_dtype, device=DEVICE))
     poison = out.reshape(-1)[0].clone()
-    gemm(ops.a, ops.w, bias=bias, act=ep, act_scale=scale, out=out, config=cfg, **ops.kw, **extra)
+    gemm(ops.a, ops.w, bias=bias, act=ep, act_scale=scale, out=out, config=cfg, **extra)
     check_act(out, ref, ep, scale, poison, _act_tol(scheme, ep, out_dtype))
     if weighted:
         return
     # the unfused path: GEMM1 into h (fp32), then the activation kernel
     h_out = poison_(torch.empty(*rows, n_w, device=DEVICE))
-    gemm(ops.a, ops.w, bias=bias, out=h_out, config=TINY, **ops.kw, **extra)
+    gemm(ops.a, ops.w, bias=bias, out=h_out, config=TINY, **extra)
     written = ~h_out.isnan().all(dim=-1)
     moe = _moe_config(ep, 8, 3, h, i, out_dtype)
     a2 = act_and_quantize(h_out.nan_to_num(0.0).reshape(-1, n_w), moe, ep.quant, scale=scale)
@@ -530,8 +525,8 @@ def test_gemm1_act_epilogue_default_config():
         r = moe_align_ref(ids.to(DEVICE), 4, 16)
         ops = make_operands(scheme, t, 4, 64, 64, gen)
         out = poison_(torch.empty(t * 2, 32, device=DEVICE))
-        grouped_gemm(ops.a, ops.w, r, a_div=2, act=ep, out=out, **ops.kw)
-        check(out, grouped_gemm_ref(ops.a, ops.w, r, a_div=2, act=ep, **ops.kw), _tol(scheme, torch.float32))
+        grouped_gemm(ops.a, ops.w, r, a_div=2, act=ep, out=out)
+        check(out, grouped_gemm_ref(ops.a, ops.w, r, a_div=2, act=ep), _tol(scheme, torch.float32))
 
 
 def test_act_epilogue_contract():
@@ -564,8 +559,8 @@ def test_act_epilogue_cpu_path(monkeypatch):
     ops = make_operands(scheme, 5, 4, 64, 64, gen)
     scale = torch.full((1, 1), 0.01)
     out = poison_(torch.empty(10, 32, dtype=torch.float8_e4m3fn))
-    grouped_gemm(ops.a, ops.w, r, a_div=2, act=ep, act_scale=scale, out=out, **ops.kw)
-    ref = grouped_gemm_ref(ops.a, ops.w, r, a_div=2, act=ep, act_scale=scale, **ops.kw)
+    grouped_gemm(ops.a, ops.w, r, a_div=2, act=ep, act_scale=scale, out=out)
+    ref = grouped_gemm_ref(ops.a, ops.w, r, a_div=2, act=ep, act_scale=scale)
     check(_values(out, ep, scale), ref, 1e-6)
 
 
@@ -592,7 +587,7 @@ def test_gemm1_act_epilogue_real_shapes(scheme, shape, act):
     r = moe_align(ids.to(DEVICE), e, _bm(t, k, e))
     ops = make_operands(scheme, t, e, 2 * i, h, gen)
     bias = (torch.randn(e, 2 * i, generator=gen) * 0.1).to(torch.bfloat16).to(DEVICE)
-    kw = dict(bias=bias, a_div=k, **ops.kw)
+    kw = dict(bias=bias, a_div=k)
     plain = dataclasses.replace(ep, quant=None)
     scale = _static_scale(grouped_gemm_ref(ops.a, ops.w, r, act=plain, **kw), ep)
     ref = grouped_gemm_ref(ops.a, ops.w, r, act=ep, act_scale=scale, **kw)

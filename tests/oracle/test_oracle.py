@@ -13,11 +13,13 @@ from fusedmoe.cli import main as cli_main
 from fusedmoe.config import MoEConfig
 from fusedmoe.contract import TokenLayout
 from fusedmoe.env import BACKEND as ENV_BACKEND
+from fusedmoe.env import FAMILIES
 from fusedmoe.env import SKIP_BACKENDS as ENV_SKIP
+from fusedmoe.env import family_backend as family_env
 from fusedmoe.errors import FusedMoEError, UnsupportedError
 from fusedmoe.experts import external, thresholds
 from fusedmoe.experts.grouped_mm import GroupedMMExperts
-from fusedmoe.oracle import FAMILIES, family_env, registry, select_experts
+from fusedmoe.oracle import registry, select_experts
 from fusedmoe.oracle.padding import pad_hidden, pad_weights, padded_config, padded_sizes, unpad_weights
 from fusedmoe.oracle.priorities import BATCHED, STANDARD, family_variant, platform_class
 from fusedmoe.platform import OPTIONAL_PACKAGES, Platform
