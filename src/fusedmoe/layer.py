@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from .config import MoEConfig, ParallelConfig
 from .errors import FusedMoEError, expect
 from .modular.kernel import MoEKernel
-from .modular.validation import validate_call
+from .modular.validation import check_weights, validate_call
 from .oracle import Choice
 from .oracle.build import build_kernel
 from .oracle.padding import pad_weights
@@ -477,7 +477,7 @@ class FusedMoE(torch.nn.Module):
         expect(self.kernel is None, "process_weights_after_loading", "to be called once")
         self._check_loaded()
         weights = self._canonical_weights()
-        weights.check(self.config, self.scheme, self.num_local_experts)
+        check_weights(weights, self.config, self.scheme, num_local=self.num_local_experts)
         if keep_reference:
             self.reference_weights = weights
         kernel = build_kernel(

@@ -62,21 +62,3 @@ class AlignedRouting:
         """Upper bound on used slots: every expert's run rounded up to BM."""
         bound = num_pairs + num_local_experts * (block_m - 1)
         return max(block_m, -(-bound // block_m) * block_m)
-
-
-@dataclass(frozen=True)
-class BatchedTokens:
-    """The batched layout: tokens grouped per local expert with a fixed capacity.
-
-    x:       [E_l, M_max, H] activations (rows past counts[e] are undefined).
-    counts:  int32 [E_l] valid rows per expert.
-    x_scale: activation scales for quantized dispatch ([E_l, M_max, G]) or None.
-    """
-
-    x: torch.Tensor
-    counts: torch.Tensor
-    x_scale: torch.Tensor | None = None
-
-    @property
-    def capacity(self) -> int:
-        return self.x.shape[1]

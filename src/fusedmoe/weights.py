@@ -16,7 +16,6 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .config import MoEConfig
 from .errors import expect
 from .quant import QTensor, QuantScheme, dequantize, quantize
 from .quant.tensor import group_amax
@@ -79,48 +78,6 @@ class ExpertWeights:
         if scheme.w1 is None:
             return self.w13.data.to(dtype), self.w2.data.to(dtype)
         return dequantize(self.w13, scheme.w1, dtype), dequantize(self.w2, scheme.w2, dtype)
-
-    def check(self, config: MoEConfig, scheme: QuantScheme, num_local_experts: int | None = None) -> None:
-        """Raise a clear error if shapes do not match ``config`` / ``scheme``."""
-        e = num_local_experts or self.num_experts
-        want13 = (e, config.w13_rows, config.hidden_size)
-        want2 = (e, config.hidden_size, config.intermediate_size)
-        expect(tuple(self.w13.shape) == want13, "weights.w13", f"logical shape {want13}", self.w13.shape)
-        expect(tuple(self.w2.shape) == want2, "weights.w2", f"logical shape {want2}", self.w2.shape)
-        if config.has_bias:
-            expect(self.b13 is not None and self.b2 is not None, "weights.b13/b2", "biases (has_bias)")
-            expect(tuple(self.b13.shape) == want13[:2], "weights.b13", f"shape {want13[:2]}", self.b13.shape)
-            expect(
-                tuple(self.b2.shape) == (e, config.hidden_size),
-                "weights.b2",
-                f"shape {(e, config.hidden_size)}",
-                self.b2.shape,
-            )
-        else:
-            expect(self.b13 is None and self.b2 is None, "weights.b13/b2", "None when has_bias=False")
-        if scheme.w1 is None:
-            expect(self.w13.scale is None, "weights.w13.scale", "None for an unquantized scheme")
-            expect(
-                self.w13.data.dtype == self.w2.data.dtype and self.w13.data.is_floating_point(),
-                "weights.w13/w2 dtype",
-                "the same floating dtype",
-                (self.w13.data.dtype, self.w2.data.dtype),
-            )
-        else:
-            expect(self.w13.scale is not None, "weights.w13.scale", f"a scale for {scheme.name}")
-            for name, tq in (("a1", scheme.a1), ("a2", scheme.a2)):
-                if tq is not None and not tq.dynamic:
-                    expect(
-                        getattr(self, f"{name}_scale") is not None,
-                        f"weights.{name}_scale",
-                        f"a static scale for {scheme.name}",
-                    )
-                if tq is not None and tq.has_global_scale:
-                    expect(
-                        getattr(self, f"{name}_global_scale") is not None,
-                        f"weights.{name}_global_scale",
-                        f"a global scale for {scheme.name}",
-                    )
 
     @classmethod
     def from_float(

@@ -16,7 +16,7 @@ from fusedmoe.api import fused_moe
 from fusedmoe.env import CHECK_VALUES as ENV_CHECK_VALUES
 from fusedmoe.kernels._common import interpreting
 from fusedmoe.layer import FusedMoE
-from fusedmoe.modular.validation import _weights_ok, validate_call
+from fusedmoe.modular.validation import check_weights, validate_call
 from fusedmoe.quant import QTensor, all_schemes
 from fusedmoe.testing import make_problem
 from fusedmoe.weights import ExpertWeights
@@ -61,7 +61,7 @@ def test_valid_weights_take_the_fast_path(scheme, has_bias):
     """Weights of every scheme pass, through the message-free fast path (it costs no measurable time)."""
     config = MoEConfig(num_experts=E, top_k=K, hidden_size=128, intermediate_size=128, has_bias=has_bias)
     p = make_problem(config, scheme, T)
-    assert _weights_ok(p.weights, config, scheme, has_map=False)
+    check_weights(p.weights, config, scheme)
     _call(p, check_values=True)
 
 

@@ -19,6 +19,7 @@ from fusedmoe.env import family_backend as family_env
 from fusedmoe.errors import FusedMoEError, UnsupportedError
 from fusedmoe.experts import external, thresholds
 from fusedmoe.experts.grouped_mm import GroupedMMExperts
+from fusedmoe.modular.validation import check_weights
 from fusedmoe.oracle import registry, select_experts
 from fusedmoe.oracle.padding import pad_hidden, pad_weights, padded_config, padded_sizes, unpad_weights
 from fusedmoe.oracle.priorities import BATCHED, STANDARD, family_variant, platform_class
@@ -396,7 +397,7 @@ def test_padding_leaves_the_output_unchanged_and_round_trips(sname, act):
     padded = pad_weights(prob.weights, config, scheme, align)
     pconfig = padded_config(config, align)
     assert padded_sizes(config, align) == (512, 256) and pconfig.w13_rows in (512, 256)
-    padded.check(pconfig, scheme)
+    check_weights(padded, pconfig, scheme)
     # the original values are where they were, the new ones exactly zero
     w13, w2 = prob.weights.dequantized(scheme, torch.float64)
     p13, p2 = padded.dequantized(scheme, torch.float64)

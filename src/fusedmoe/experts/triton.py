@@ -34,7 +34,7 @@ Fused, such rows of a2 are never written and never read (GEMM2 reads the rows of
 local pairs only, ``moe_sum`` skips the others).
 
 Deterministic mode (``deterministic``; ``FUSEDMOE_DETERMINISTIC=1`` when built): the
-launch config no longer depends on the token count (``pick_launch_config``), so every
+launch config does not depend on the token count (``pick_launch_config``), so every
 token meets the same tiles and K-loop order whatever batch it is in. Nothing else
 here depends on T: no kernel reduces with atomic adds (the sum over top-k is
 ``moe_sum``, in k order; the only atomic is an order-free ``atomic_max`` for a

@@ -50,6 +50,7 @@ from ..activations import apply_activation
 from ..config import Activation, MoEConfig
 from ..errors import expect
 from ..experts.reference import moe_reference
+from ..modular.validation import check_weights
 from ..quant import QuantScheme
 from ..routing import RouterConfig
 from ..weights import ExpertWeights
@@ -254,7 +255,7 @@ def _build(
     )
     scheme = QuantScheme.unquantized()
     weights = ExpertWeights.from_float(w13, w2, scheme, b13=b13, b2=b2)
-    weights.check(config, scheme)
+    check_weights(weights, config, scheme)
     return HFMoE(
         kind=kind,
         config=config,

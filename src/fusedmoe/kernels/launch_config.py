@@ -95,7 +95,7 @@ def default_launch_config(m_pairs: int, num_experts: int, n: int, k: int, scheme
     K 2048, top-8, CUDA-graph replay): at 2 and 16 rows per expert, BM 16 and BM 64 are
     within 10% of each other for bf16/fp8/int8 (T=16: bf16 140 vs 138 us, fp8 block 80 vs
     88 us); MXFP4/NVFP4 at 16 rows preferred BM 64 (269 vs 360 us, measured before the
-    current e2m1 decode). A tuned table will replace this.
+    current e2m1 decode). Tuned tables (``tuned_configs``) take precedence where they exist.
 
     4-bit weights at <= 0.5 rows per expert (T = 1 on every shipped preset) take the FMA
     path (BM < 16): on an H100 the tuner picked BM 1, BN 32, BK 256, 4 warps for every such

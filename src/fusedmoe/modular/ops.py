@@ -9,8 +9,7 @@ Dynamo cannot trace the kernels (Triton launches, host-side planning), so while 
 compiles, ``MoEKernel.forward`` emits this op instead; its fake implementation gives
 the output's shape and strides, so ``torch.compile(fullgraph=True)`` sees the layer as
 one node with no graph break. In eager mode the op is never called: going through the
-dispatcher costs tens of microseconds, as long as a whole decode step of weight reads
-(STYLE.md point 3).
+dispatcher costs tens of microseconds, as long as a whole decode step of weight reads.
 
 The op takes plain tensors only: x, the routing and every field of ``ExpertWeights``
 (the ``QTensor`` fields of W13 and W2 flattened, None where absent) plus the logical

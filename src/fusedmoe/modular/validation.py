@@ -32,6 +32,8 @@ formats cannot store) whose message names the argument and what was expected.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .. import env
@@ -41,7 +43,7 @@ from ..quant import QDtype, QuantScheme
 from ..quant.scheme import shape_supported
 from ..weights import ExpertWeights
 
-__all__ = ["validate_call"]
+__all__ = ["check_weights", "validate_call"]
 
 
 _ID_DTYPES = (torch.int32, torch.int64)
@@ -105,8 +107,8 @@ def validate_call(
         if not isinstance(weights, ExpertWeights):
             expect(False, "weights", "an ExpertWeights", type(weights))
         num_local = weights.num_experts
-        if not weights_checked and not _weights_ok(weights, config, scheme, expert_map is not None):
-            _explain_weights(weights, config, scheme, expert_map is not None)
+        if not weights_checked:
+            check_weights(weights, config, scheme, has_map=expert_map is not None)
         _check_weights_device(weights, device)
     if expert_map is not None:
         _check_expert_map(expert_map, device, config)
@@ -148,105 +150,108 @@ def _check_topk(x: torch.Tensor, device: torch.device, ids, w, config: MoEConfig
         expect(False, "topk_weights", f"on x's device ({device})", w.device)
 
 
-def _weights_ok(weights: ExpertWeights, config: MoEConfig, scheme: QuantScheme, has_map: bool) -> bool:
-    """All of ``_explain_weights``'s conditions (and ``ExpertWeights.check``'s), without building a message.
+def check_weights(
+    weights: ExpertWeights,
+    config: MoEConfig,
+    scheme: QuantScheme,
+    *,
+    num_local: int | None = None,
+    has_map: bool = False,
+) -> None:
+    """Raise ``FusedMoEError`` naming the first rule of ``_weight_rules`` that ``weights`` breaks.
 
-    Only a fast path: when it says False, ``_explain_weights`` finds and names the problem.
+    num_local: the local expert count the weights must have (a layer's); None: E experts, or
+    1..E with an expert map (``has_map``). Metadata only (shapes, dtypes, presence): no host
+    sync. A weights object that passed is remembered (by identity, with the identities of its
+    tensors), so ``fused_moe`` called again with the same weights does not re-check them.
     """
-    e, rows, h, i = weights.num_experts, config.w13_rows, config.hidden_size, config.intermediate_size
-    if not (1 <= e <= config.num_experts if has_map else e == config.num_experts):
-        return False
-    w13, w2 = weights.w13, weights.w2
-    if w13.shape != (e, rows, h) or w2.shape != (e, h, i):
-        return False
+    sig = (config, scheme, num_local, has_map, weights.layout, tuple(map(id, _tensors(weights))))
+    seen = _CHECKED.get(id(weights))
+    if seen is not None and seen[0]() is weights and seen[1] == sig:
+        return
+    for ok, name, expected, got in _weight_rules(weights, config, scheme, num_local, has_map):
+        if not ok:
+            expect(False, name, expected, got)
+    if len(_CHECKED) > 256:
+        _CHECKED.clear()
+    _CHECKED[id(weights)] = (weakref.ref(weights), sig)
+
+
+_CHECKED: dict[int, tuple[weakref.ref, tuple]] = {}
+
+
+def _tensors(w: ExpertWeights) -> list:
+    return [w.w13.data, w.w13.scale, w.w13.zero, w.w13.global_scale, w.w13.g_idx, w.w2.data, w.w2.scale, w.w2.zero,
+            w.w2.global_scale, w.w2.g_idx, w.b13, w.b2, w.a1_scale, w.a2_scale, w.a1_global_scale,
+            w.a2_global_scale]  # fmt: skip
+
+
+def _weight_rules(weights: ExpertWeights, config: MoEConfig, scheme: QuantScheme, num_local, has_map):
+    """The one table of what ``ExpertWeights`` must be for ``config`` x ``scheme``, in the order
+    problems are reported: (holds, argument, what was expected, what was found). A generator, so
+    a rule can rely on the ones before it (a scale's dtype is asked only once it exists)."""
+    e_cfg = config.num_experts
+    e = weights.num_experts
+    if num_local is not None:
+        yield e == num_local, "weights", f"{num_local} local experts", e
+    elif has_map:
+        yield 1 <= e <= e_cfg, "weights", f"between 1 and num_experts = {e_cfg} local experts (with expert_map)", e
+    else:
+        yield e == e_cfg, "weights", f"num_experts = {e_cfg} experts (without expert_map every expert is local)", e
+    rows, h, i = config.w13_rows, config.hidden_size, config.intermediate_size
+    for name, q, want in (("weights.w13", weights.w13, (e, rows, h)), ("weights.w2", weights.w2, (e, h, i))):
+        yield tuple(q.shape) == want, name, f"logical shape {want}", tuple(q.shape)
     b13, b2 = weights.b13, weights.b2
     if config.has_bias:
-        if b13 is None or b2 is None or b13.shape != (e, rows) or b2.shape != (e, h):
-            return False
-    elif b13 is not None or b2 is not None:
-        return False
-    if scheme.w1 is None:
-        return w13.scale is None and w13.data.dtype == config.dtype and w2.data.dtype == config.dtype
-    for q, tq in ((w13, scheme.w1), (w2, scheme.w2)):
-        fmt = tq.dtype
-        if q.data.dtype != _DATA_DTYPE[fmt] or q.scale is None or not _scale_dtype_ok(q.scale.dtype, fmt):
-            return False
-        if weights.layout == "reference":
-            n, kk = q.shape[1], q.shape[2]
-            if q.data.shape != (e, n, kk // 2 if fmt in _PACKED else kk):
-                return False
-        if not tq.symmetric and (q.zero is None or q.zero.dtype != torch.uint8):
-            return False
-        if tq.act_order and (q.g_idx is None or q.g_idx.dtype != torch.int32):
-            return False
-        if tq.has_global_scale and (q.global_scale is None or q.global_scale.dtype != torch.float32):
-            return False
-    for tq, scale, global_scale in (
-        (scheme.a1, weights.a1_scale, weights.a1_global_scale),
-        (scheme.a2, weights.a2_scale, weights.a2_global_scale),
-    ):
-        if tq is not None and not tq.dynamic and scale is None:
-            return False
-        if tq is not None and tq.has_global_scale and global_scale is None:
-            return False
-    return True
-
-
-def _explain_weights(weights: ExpertWeights, config: MoEConfig, scheme: QuantScheme, has_map: bool) -> None:
-    """Raise the error that names the weights' first problem (``ExpertWeights.check`` does most)."""
-    e = config.num_experts
-    if has_map:
-        expect(
-            1 <= weights.num_experts <= e,
-            "weights",
-            f"between 1 and num_experts = {e} local experts (with expert_map)",
-            weights.num_experts,
-        )
+        yield b13 is not None and b2 is not None, "weights.b13/b2", "biases (has_bias)", None
+        yield tuple(b13.shape) == (e, rows), "weights.b13", f"shape {(e, rows)}", tuple(b13.shape)
+        yield tuple(b2.shape) == (e, h), "weights.b2", f"shape {(e, h)}", tuple(b2.shape)
     else:
-        expect(
-            weights.num_experts == e,
-            "weights",
-            f"num_experts = {e} experts (without expert_map every expert is local)",
-            weights.num_experts,
-        )
-    weights.check(config, scheme)
+        yield b13 is None and b2 is None, "weights.b13/b2", "None when has_bias=False", None
     for name, q, tq in (("weights.w13", weights.w13, scheme.w1), ("weights.w2", weights.w2, scheme.w2)):
-        if tq is None:
-            expect(
-                q.data.dtype == config.dtype,
-                f"{name}.data",
-                f"dtype {config.dtype} (MoEConfig.dtype) for the unquantized scheme {scheme.name}",
-                q.data.dtype,
-            )
-            continue
-        want = _DATA_DTYPE[tq.dtype]
-        what = "packed two per uint8" if tq.dtype in _PACKED else "stored codes"
-        expect(q.data.dtype == want, f"{name}.data", f"dtype {want} ({tq.dtype.value} {what})", q.data.dtype)
-        expect(q.scale is not None, f"{name}.scale", f"a scale for {scheme.name}")
-        if weights.layout == "reference":
-            n, kk = q.shape[1], q.shape[2]
-            stored = (q.shape[0], n, kk // 2 if tq.dtype in _PACKED else kk)
-            expect(tuple(q.data.shape) == stored, f"{name}.data", f"stored shape {stored}", tuple(q.data.shape))
-        expect(
-            _scale_dtype_ok(q.scale.dtype, tq.dtype),
-            f"{name}.scale",
-            _SCALE_WANT.get(tq.dtype, "a floating dtype"),
-            q.scale.dtype,
+        yield from _operand_rules(name, q, tq, config, scheme, weights.layout == "reference")
+    for op, tq in (("a1", scheme.a1), ("a2", scheme.a2)):
+        if tq is not None and not tq.dynamic:
+            scale = getattr(weights, f"{op}_scale")
+            yield scale is not None, f"weights.{op}_scale", f"a static scale for {scheme.name}", None
+        if tq is not None and tq.has_global_scale:
+            gs = getattr(weights, f"{op}_global_scale")
+            yield gs is not None, f"weights.{op}_global_scale", f"a global scale for {scheme.name}", None
+
+
+def _operand_rules(name: str, q, tq, config: MoEConfig, scheme: QuantScheme, reference_layout: bool):
+    """The rules of one weight operand (W13 or W2) of ``scheme``."""
+    if tq is None:
+        yield q.scale is None, f"{name}.scale", f"None for the unquantized scheme {scheme.name}", "a scale"
+        yield (
+            q.data.dtype == config.dtype,
+            f"{name}.data",
+            f"dtype {config.dtype} (MoEConfig.dtype) for the unquantized scheme {scheme.name}",
+            q.data.dtype,
         )
-        if not tq.symmetric:
-            expect(q.zero is not None, f"{name}.zero", f"zero points for {scheme.name}")
-            expect(q.zero.dtype == torch.uint8, f"{name}.zero", "dtype torch.uint8", q.zero.dtype)
-        if tq.act_order:
-            expect(q.g_idx is not None, f"{name}.g_idx", f"an act-order group map for {scheme.name}")
-            expect(q.g_idx.dtype == torch.int32, f"{name}.g_idx", "dtype torch.int32", q.g_idx.dtype)
-        if tq.has_global_scale:
-            expect(q.global_scale is not None, f"{name}.global_scale", f"a global scale for {scheme.name}")
-            expect(
-                q.global_scale.dtype == torch.float32,
-                f"{name}.global_scale",
-                "dtype torch.float32",
-                q.global_scale.dtype,
-            )
+        return
+    want = _DATA_DTYPE[tq.dtype]
+    what = "packed two per uint8" if tq.dtype in _PACKED else "stored codes"
+    yield q.scale is not None, f"{name}.scale", f"a scale for {scheme.name}", None
+    yield q.data.dtype == want, f"{name}.data", f"dtype {want} ({tq.dtype.value} {what})", q.data.dtype
+    e, n, k = q.shape
+    if reference_layout:
+        stored = (e, n, k // 2 if tq.dtype in _PACKED else k)
+        yield tuple(q.data.shape) == stored, f"{name}.data", f"stored shape {stored}", tuple(q.data.shape)
+    yield _scale_dtype_ok(q.scale.dtype, tq.dtype), f"{name}.scale", _SCALE_WANT.get(tq.dtype, "a floating dtype"), (
+        q.scale.dtype
+    )
+    if not tq.symmetric:
+        yield q.zero is not None, f"{name}.zero", f"zero points for {scheme.name}", None
+        yield q.zero.dtype == torch.uint8, f"{name}.zero", "dtype torch.uint8", q.zero.dtype
+    if tq.act_order:
+        yield q.g_idx is not None, f"{name}.g_idx", f"an act-order group map for {scheme.name}", None
+        yield q.g_idx.dtype == torch.int32, f"{name}.g_idx", "dtype torch.int32", q.g_idx.dtype
+    if tq.has_global_scale:
+        yield q.global_scale is not None, f"{name}.global_scale", f"a global scale for {scheme.name}", None
+        yield q.global_scale.dtype == torch.float32, f"{name}.global_scale", "dtype torch.float32", (
+            q.global_scale.dtype
+        )
 
 
 def _scale_dtype_ok(dtype: torch.dtype, fmt: QDtype) -> bool:

@@ -9,7 +9,6 @@ through the ``seed_names`` the classes declare.
 from __future__ import annotations
 
 from ..config import MoEConfig
-from ..contract import TokenLayout
 from ..platform import Platform, current_platform
 from ..quant import QuantScheme, all_schemes
 from .registry import dispatchers, experts_backends
@@ -91,6 +90,7 @@ def feature_matrix(platform: Platform | None = None) -> dict:
                 "quantize": "before exchange" if cls.quantize_before_exchange else "after exchange",
                 "distributed": cls.distributed,
                 "packages": list(cls.packages),
+                "implemented": cls.implemented,
                 "seed_rows": list(cls.seed_names),
                 "status": "available" if why is None else why,
             }
@@ -160,61 +160,63 @@ def _yn(b: bool) -> str:
     return "Y" if b else "N"
 
 
+def _built(item: dict) -> str:
+    """'yes', or 'declared' for an adapter the oracle knows about but fusedmoe does not ship yet."""
+    return "yes" if item["implemented"] else "declared"
+
+
+def _experts_table(m: dict) -> str:
+    head = ["backend", "implemented", "layout", "quant types", "weight granularity", "activations"]
+    head += ["router w. on input", "expert map", "chunking", "bias", "platform", "packages", "status here"]
+    rows = [
+        [
+            e["name"],
+            _built(e),
+            "/".join(e["layouts"]),
+            ", ".join(e["quant_types"]),
+            ", ".join(e["granularities"]) or "-",
+            ", ".join(e["activations"]),
+            _yn(e["router_weight_on_input"]),
+            _yn(e["expert_map"]),
+            _yn(e["chunking"]),
+            _yn(e["bias"]),
+            "/".join(e["platforms"]) + (f" {e['min_capability']}+" if e["min_capability"] else ""),
+            ", ".join(e["packages"]) or "-",
+            e["status"],
+        ]
+        for e in m["experts"]
+    ]
+    return _table(rows, head)
+
+
+def _dispatchers_table(m: dict) -> str:
+    rows = [
+        [d["name"], _built(d), d["layout"], d["quantize"], _yn(d["distributed"]), ", ".join(d["packages"]) or "-",
+         d["status"]]
+        for d in m["dispatchers"]
+    ]  # fmt: skip
+    head = ["dispatcher", "implemented", "layout", "quantization", "distributed", "packages", "status here"]
+    return _table(rows, head)
+
+
 def to_markdown(m: dict) -> str:
     p = m["platform"]
-    parts = [f"# fusedmoe features on {p['label']} ({p['name']})", "", "## Experts backends", ""]
-    parts.append(
-        _table(
-            [
-                [
-                    e["name"],
-                    "/".join(e["layouts"]),
-                    ", ".join(e["quant_types"]),
-                    ", ".join(e["granularities"]) or "-",
-                    ", ".join(e["activations"]),
-                    _yn(e["router_weight_on_input"]),
-                    _yn(e["expert_map"]),
-                    _yn(e["chunking"]),
-                    _yn(e["bias"]),
-                    "/".join(e["platforms"]) + (f" {e['min_capability']}+" if e["min_capability"] else ""),
-                    ", ".join(e["packages"]) or "-",
-                    e["status"],
-                ]
-                for e in m["experts"]
-            ],
-            [
-                "backend",
-                "layout",
-                "quant types",
-                "weight granularity",
-                "activations",
-                "router w. on input",
-                "expert map",
-                "chunking",
-                "bias",
-                "platform",
-                "packages",
-                "status here",
-            ],
-        )
-    )
-    parts += ["", "## Dispatchers", ""]
-    parts.append(
-        _table(
-            [
-                [
-                    d["name"],
-                    d["layout"],
-                    d["quantize"],
-                    _yn(d["distributed"]),
-                    ", ".join(d["packages"]) or "-",
-                    d["status"],
-                ]
-                for d in m["dispatchers"]
-            ],
-            ["dispatcher", "layout", "quantization", "distributed", "packages", "status here"],
-        )
-    )
+    ne = sum(e["implemented"] for e in m["experts"])
+    nd = sum(d["implemented"] for d in m["dispatchers"])
+    parts = [f"# fusedmoe features on {p['label']} ({p['name']})", ""]
+    parts += [
+        f"Implemented: {ne} of {len(m['experts'])} experts backends and {nd} of {len(m['dispatchers'])} dispatchers; "
+        "the others are declared (capabilities, packages, platforms) so that the oracle can say why it does not "
+        "take them, and run only once their adapter is written.",
+        "",
+        "## Experts backends",
+        "",
+        _experts_table(m),
+        "",
+        "## Dispatchers",
+        "",
+        _dispatchers_table(m),
+    ]
     names = [e["name"] for e in m["experts"]]
     parts += ["", "## Dispatcher x experts (token layouts must match)", ""]
     parts.append(
@@ -244,4 +246,4 @@ def to_markdown(m: dict) -> str:
     return "\n".join(parts) + "\n"
 
 
-__all__ = ["feature_matrix", "to_markdown", "TokenLayout"]
+__all__ = ["feature_matrix", "to_markdown"]

@@ -6,8 +6,9 @@ always-correct fallbacks last. Every registered backend of the layout that a
 list leaves out is appended (alphabetically), so an explanation names every
 candidate with its reason, and a new backend shows up before it is ranked.
 
-Where the order comes from (vLLM's per-family oracles, seeds/003; the MXFP4
-rules of ARCHITECTURE.md "Backend selection"):
+Where the order comes from (the per-family orders inference engines ship, and the MXFP4
+rules: an explicit request is honoured or refused, a backend's activation precision comes
+with it, weights are padded and converted once):
 
 - vendor kernels first where they exist: TRT-LLM and FlashInfer on sm100,
   DeepGEMM for 128x128-block fp8 on sm90, Marlin for weight-only int4/FP4 on

@@ -236,10 +236,6 @@ class QuantScheme:
         return (k(self.a1), k(self.w1), k(self.a2), k(self.w2))
 
     @property
-    def weight_only(self) -> bool:
-        return self.w1 is not None and self.a1 is None
-
-    @property
     def quant_types(self) -> str:
         return "none" if self.w1 is None else self.w1.dtype.value
 

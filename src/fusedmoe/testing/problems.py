@@ -160,7 +160,9 @@ def make_problem(
 
 @dataclass(frozen=True)
 class Case:
-    """A labelled shape for the edge-case families of every test (STYLE.md point 7)."""
+    """A labelled shape for the edge-case families every kernel test runs: T = 0 and 1, T smaller
+    than a tile, odd H and I, prime E, K = 1 and K = E, an expert without tokens, all tokens on
+    one expert, T*K not a multiple of the block."""
 
     label: str
     t: int

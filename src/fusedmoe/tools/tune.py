@@ -221,7 +221,7 @@ def _launch(op: _Operands, cfg: LaunchConfig, routing) -> torch.Tensor:
 
 def _weights(config, scheme, device):
     if device == "cuda":
-        from ..bench import bench_weights
+        from .bench import bench_weights
 
         return bench_weights(config, scheme, device)
     from ..weights import ExpertWeights

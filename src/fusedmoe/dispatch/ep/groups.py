@@ -154,11 +154,6 @@ class ExpertPlacement:
         mine = [e for e in range(self.num_experts) if self.owner[e] == rank]
         return sorted(mine, key=lambda e: self.local_id[e])
 
-    def owner_tensor(self, device) -> torch.Tensor:
-        return torch.tensor(self.owner, dtype=torch.long, device=device)
-
-    def local_id_tensor(self, device) -> torch.Tensor:
-        return torch.tensor(self.local_id, dtype=torch.long, device=device)
 
 
 def shard_experts(weights, experts: Sequence[int]):
