@@ -100,7 +100,7 @@ def choice_key() -> tuple:
     """The raw values of every variable that changes the kernel ``fused_moe`` builds: part of its
     cache key, so changing one builds (and checks) a new kernel. 12 dictionary lookups, ~2 us."""
     get = os.environ.get
-    return tuple(get(v) for v in _CHOICE_VARS)
+    return tuple([get(v) for v in _CHOICE_VARS])
 
 
 def deterministic() -> bool:

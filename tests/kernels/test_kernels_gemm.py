@@ -21,15 +21,8 @@ from fusedmoe.env import LAUNCH_CONFIG as ENV_VAR
 from fusedmoe.kernels._common import interpreting
 from fusedmoe.kernels.act_quant import act_and_quantize
 from fusedmoe.kernels.align import moe_align, moe_align_ref
-from fusedmoe.kernels.grouped_gemm import (
-    ActEpilogue,
-    GemmFormat,
-    grouped_gemm,
-    grouped_gemm_batched,
-    grouped_gemm_batched_ref,
-    grouped_gemm_ref,
-    scheme_key,
-)
+from fusedmoe.kernels.gemm_format import ActEpilogue, GemmFormat, scheme_key
+from fusedmoe.kernels.grouped_gemm import grouped_gemm, grouped_gemm_batched, grouped_gemm_batched_ref, grouped_gemm_ref
 from fusedmoe.kernels.launch_config import (
     LaunchConfig,
     default_launch_config,

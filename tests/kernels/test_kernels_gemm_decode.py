@@ -57,13 +57,8 @@ from fusedmoe.config import Activation
 from fusedmoe.env import LAUNCH_CONFIG as ENV_VAR
 from fusedmoe.kernels._common import interpreting
 from fusedmoe.kernels.align import moe_align_ref
-from fusedmoe.kernels.grouped_gemm import (
-    ActEpilogue,
-    grouped_gemm,
-    grouped_gemm_batched,
-    grouped_gemm_batched_ref,
-    grouped_gemm_ref,
-)
+from fusedmoe.kernels.gemm_format import ActEpilogue
+from fusedmoe.kernels.grouped_gemm import grouped_gemm, grouped_gemm_batched, grouped_gemm_batched_ref, grouped_gemm_ref
 from fusedmoe.kernels.launch_config import (
     LaunchConfig,
     default_launch_config,

@@ -50,7 +50,8 @@ from ..contract import TokenLayout, WeightedReduce, Workspace, quantized_layout,
 from ..kernels._common import interpreting
 from ..kernels.act_quant import act_and_quantize
 from ..kernels.align import moe_align
-from ..kernels.grouped_gemm import ActEpilogue, grouped_gemm, grouped_gemm_batched, scheme_key
+from ..kernels.gemm_format import ActEpilogue, scheme_key
+from ..kernels.grouped_gemm import grouped_gemm, grouped_gemm_batched
 from ..kernels.launch_config import gated_act_config, pick_launch_config
 from ..kernels.moe_sum import moe_sum
 from ..quant import Operand, QTensor

@@ -3,7 +3,8 @@
 Where a config comes from, first match wins:
 
 1. ``override_launch_config(cfg)`` (a context manager, for tests and the tuner);
-2. ``FUSEDMOE_LAUNCH_CONFIG="BM,BN,BK,GROUP_M,WARPS,STAGES"`` in the environment;
+2. ``FUSEDMOE_LAUNCH_CONFIG="BM,BN,BK,GROUP_M,WARPS,STAGES[,PERSISTENT,WS,FLATTEN,SUBTILE]"``
+   in the environment;
 3. tuned JSON files for this GPU and GEMM shape (``tuned_configs``: ``FUSEDMOE_CONFIG_DIR``,
    then the package's ``configs/``), the entry nearest to the call's pair count;
 4. ``default_launch_config``: a heuristic on the problem shape.
@@ -34,6 +35,14 @@ class LaunchConfig:
     fp32 broadcast multiply-reduce; see ``_grouped_gemm``), and BM = 1 means no padding.
     block_n / block_k: BN, BK, powers of 2 >= 16. group_m: M tiles walked together for L2
     reuse of W.
+
+    The persistent TMA-fed kernel (``grouped_gemm_persistent``, prefill on Hopper) runs
+    instead of the one-program-per-tile kernel when ``persistent`` is set and it serves the
+    call; its knobs, ignored otherwise: ``warp_specialize`` (``tl.range(...,
+    warp_specialize=True)`` on the K loop: a producer warpgroup feeding two consumer ones;
+    Triton 3.6 does it for 4-warp configs with A through TMA, see ``grouped_gemm_persistent``),
+    ``flatten`` (the tile loop and the K loop fused into one software pipeline; off under
+    warp_specialize), ``epilogue_subtile`` (the epilogue in 1 or 2 column halves, for registers).
     """
 
     block_m: int = 64
@@ -42,6 +51,10 @@ class LaunchConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    persistent: bool = False
+    warp_specialize: bool = False
+    flatten: bool = True
+    epilogue_subtile: int = 1
 
     def __post_init__(self) -> None:
         bm = self.block_m
@@ -56,19 +69,26 @@ class LaunchConfig:
             expect(v >= 16 and v & (v - 1) == 0, f"LaunchConfig.{f}", "a power of 2 >= 16", v)
         for f in ("group_m", "num_warps", "num_stages"):
             expect(getattr(self, f) >= 1, f"LaunchConfig.{f}", ">= 1", getattr(self, f))
+        expect(self.epilogue_subtile in (1, 2), "LaunchConfig.epilogue_subtile", "1 or 2", self.epilogue_subtile)
 
     @classmethod
     def parse(cls, text: str) -> LaunchConfig:
-        """``"64,128,64,8,4,3"`` -> LaunchConfig(64, 128, 64, 8, 4, 3)."""
+        """``"64,128,64,8,4,3"`` -> LaunchConfig(64, 128, 64, 8, 4, 3); the persistent kernel's
+        fields may follow, in order, as integers (0/1 for the flags): ``"128,256,64,8,8,3,1,0,1,2"``."""
         parts = [p.strip() for p in text.split(",")]
-        names = [f.name for f in fields(cls)]
+        flds = fields(cls)
+        names = [f.name for f in flds]
         expect(
-            len(parts) == len(names) and all(p.isdigit() for p in parts),
+            _TILE_FIELDS <= len(parts) <= len(names) and all(p.isdigit() for p in parts),
             env.LAUNCH_CONFIG,
-            f"{len(names)} comma-separated integers ({','.join(names)})",
+            f"{_TILE_FIELDS} to {len(names)} comma-separated integers ({','.join(names)})",
             text,
         )
-        return cls(*(int(p) for p in parts))
+        vals = [bool(int(p)) if f.type in (bool, "bool") else int(p) for f, p in zip(flds, parts, strict=False)]
+        return cls(*vals)
+
+
+_TILE_FIELDS = 6  # block_m .. num_stages: what every config string gives
 
 
 _OVERRIDE: list[LaunchConfig] = []

@@ -54,7 +54,8 @@ import torch
 from ..kernels import grouped_gemm as _gg
 from ..kernels._common import interpreting
 from ..kernels.align import moe_align, moe_align_ref
-from ..kernels.grouped_gemm import GemmFormat, grouped_gemm, scheme_key
+from ..kernels.gemm_format import GemmFormat, scheme_key
+from ..kernels.grouped_gemm import grouped_gemm
 from ..kernels.launch_config import LaunchConfig, default_launch_config, fit_launch_config
 from ..kernels.tuned_configs import PACKAGE_DIR, clear_cache, config_path
 from ..quant import Operand, QuantScheme, quantize

@@ -1,0 +1,169 @@
+"""What the grouped-GEMM kernels agree on: the operand formats (``GemmFormat``), GEMM1's
+activation epilogue (``ActEpilogue``), the scheme key of the tuned-config tables, and the stride
+and byte-view helpers of their launchers. Every grouped-GEMM launcher (``grouped_gemm``,
+``grouped_gemm_persistent``) imports from here; this module imports none of them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton.language as tl
+
+from ..config import Activation, MoEConfig
+from ..errors import expect
+from ..quant import QDtype, TensorQuant
+
+_TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+_A_FORMATS = {QDtype.FP8: "fp8", QDtype.INT8: "int8", QDtype.MXFP8: "mxfp8", QDtype.NVFP4: "nvfp4"}
+_W_FORMATS = {
+    QDtype.FP8: "fp8",
+    QDtype.INT8: "int8",
+    QDtype.INT4: "int4",
+    QDtype.MXFP4: "mxfp4",
+    QDtype.NVFP4: "nvfp4",
+}
+
+
+@dataclass(frozen=True)
+class GemmFormat:
+    """The kernel's view of its operands: formats and where their scales vary.
+
+    a_group: 0 = one activation scale per row (tensor or token), else 1 x a_group groups.
+    w_bn, w_bk: 0, 0 = one weight scale per output column (tensor or channel), else the
+    block along N and K one scale covers (a group g is block (1, g)).
+    native: w8a8, the stored bytes feed the tensor cores.
+    """
+
+    a_fmt: str = "float"
+    a_group: int = 0
+    w_fmt: str = "float"
+    w_bn: int = 0
+    w_bk: int = 0
+    act_order: bool = False
+    has_zero: bool = False
+
+    @property
+    def native(self) -> bool:
+        return self.a_fmt in ("fp8", "int8") and self.w_fmt == self.a_fmt
+
+    @property
+    def k_group(self) -> int | None:
+        """K extent BK should divide, or None.
+
+        Native w8a8 applies one scale per K step, so BK must divide every group. The
+        dequantizing path handles any BK, but a group that is not a power of 2 (say 96)
+        would make it gather a scale per element ([BN, BK] fp32 loads, 64 KiB of shared
+        memory per pipeline stage at 128 x 128); a BK dividing it avoids that.
+        """
+        groups = [g for g in (self.a_group, self.w_bk) if g and (self.native or g & (g - 1))]
+        return math.gcd(*groups) if groups else None
+
+    @classmethod
+    def of(
+        cls, w_quant: TensorQuant | None, a_quant: TensorQuant | None, n: int, k: int, has_zero: bool = False
+    ) -> GemmFormat:
+        a_fmt, a_group = "float", 0
+        if a_quant is not None:
+            expect(a_quant.dtype in _A_FORMATS, "a_quant.dtype", f"one of {list(_A_FORMATS)}", a_quant.dtype)
+            a_fmt = _A_FORMATS[a_quant.dtype]
+            g = a_quant.granularity
+            expect(g.kind in ("tensor", "token", "group"), "a_quant.granularity", "tensor, token or group", g)
+            a_group = g.group_size if g.kind == "group" else 0
+        if w_quant is None:
+            return cls(a_fmt=a_fmt, a_group=a_group)
+        expect(w_quant.dtype in _W_FORMATS, "w_quant.dtype", f"one of {list(_W_FORMATS)}", w_quant.dtype)
+        w_fmt = _W_FORMATS[w_quant.dtype]
+        g = w_quant.granularity
+        bn, bk = {"tensor": (0, 0), "channel": (0, 0), "token": (0, 0)}.get(g.kind, (0, 0))
+        if g.kind == "group":
+            bn, bk = 1, g.group_size
+        elif g.kind == "block":
+            bn, bk = g.block_n, g.block_k
+        elif w_fmt == "int4":  # int4 subtracts its zero per element: always fold the scale
+            bn, bk = (1 if g.kind == "channel" else n), k
+        return cls(a_fmt, a_group, w_fmt, bn, bk, w_quant.act_order, has_zero)
+
+
+_OUT_QUANT = {QDtype.FP8: ("fp8", torch.float8_e4m3fn), QDtype.INT8: ("int8", torch.int8)}
+
+
+@dataclass(frozen=True)
+class ActEpilogue:
+    """The activation GEMM1 applies in its epilogue, and how it stores the result.
+
+    Fields are named as in ``MoEConfig``, so ``apply_activation(h, epilogue)`` is its
+    reference. A gated ``activation`` reads W13 [E, 2I, H] (gate rows then up rows, or
+    interleaved) and writes C [M, I]; a ``*_no_mul`` one maps [E, I, H] to [M, I].
+    ``quant``: None (C in the model dtype) or a static per-tensor fp8/int8 ``TensorQuant``
+    whose scale comes as ``act_scale``: C = Q(act(h) (* router weight)).
+    """
+
+    activation: Activation = Activation.SILU
+    gate_up_interleaved: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    quant: TensorQuant | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.activation, Activation):
+            object.__setattr__(self, "activation", Activation(self.activation))
+        expect(
+            self.supports(self.quant),
+            "ActEpilogue.quant",
+            "None or a static per-tensor fp8/int8 scale (dynamic scales need the whole row or tensor)",
+            self.quant,
+        )
+        expect(
+            self.activation.is_gated or not self.gate_up_interleaved,
+            "ActEpilogue.gate_up_interleaved",
+            "False for a non-gated activation",
+            self.gate_up_interleaved,
+        )
+
+    @staticmethod
+    def supports(a2: TensorQuant | None) -> bool:
+        """Whether the epilogue can produce GEMM2's input ``a2``: unquantized, or quantized with
+        a scale known before the values are (static per-tensor fp8/int8)."""
+        return a2 is None or (a2.dtype in _OUT_QUANT and a2.granularity.kind == "tensor" and not a2.dynamic)
+
+    @classmethod
+    def of(cls, config: MoEConfig, a2: TensorQuant | None = None) -> ActEpilogue:
+        """The epilogue of ``config``'s layer producing ``a2`` (see ``supports``)."""
+        return cls(config.activation, config.gate_up_interleaved, config.swiglu_alpha, config.swiglu_limit, quant=a2)
+
+    def out_cols(self, n: int) -> int:
+        """Columns of C for a W of ``n`` rows."""
+        return n // 2 if self.activation.is_gated else n
+
+    def out_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        return model_dtype if self.quant is None else _OUT_QUANT[self.quant.dtype][1]
+
+
+def scheme_key(w_quant: TensorQuant | None, a_quant: TensorQuant | None) -> str:
+    """Short name of the kernel variant, the key of launch-config tables."""
+    if w_quant is None:
+        return "bf16"
+    w = _W_FORMATS[w_quant.dtype]
+    if a_quant is None:
+        return "w8a16" if w == "int8" else w
+    if w in ("fp8", "int8") and (w_quant.granularity.kind == "block" or a_quant.granularity.kind == "group"):
+        return f"{w}_block"
+    return w
+
+
+def _strides(t: torch.Tensor, ndim: int) -> tuple[int, ...]:
+    """Strides of ``t`` right-aligned to ``ndim`` dims; 0 where a dim has size 1 (broadcast)."""
+    shape = (1,) * (ndim - t.dim()) + tuple(t.shape)
+    stride = (0,) * (ndim - t.dim()) + tuple(t.stride())
+    return tuple(0 if s == 1 else st for s, st in zip(shape, stride, strict=True))
+
+
+def _u8(t: torch.Tensor | None) -> torch.Tensor | None:
+    """fp8 data and e8m0 codes go to kernels as uint8, so masked loads can fill zeros
+    (the interpreter cannot cast ``other=0`` to fp8); the kernel bitcasts them back."""
+    if t is not None and t.dtype in (torch.float8_e4m3fn, torch.float8_e8m0fnu):
+        return t.view(torch.uint8)
+    return t

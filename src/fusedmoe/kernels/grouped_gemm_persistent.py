@@ -1,0 +1,370 @@
+"""The persistent, TMA-fed grouped GEMM for prefill on Hopper: ``persistent_gemm_launch``.
+
+Same contract as ``grouped_gemm_launch`` (standard layout with ``AlignedRouting``, batched
+layout with counts; see ``grouped_gemm.py``), which dispatches here when the launch config
+says ``persistent`` and ``supports`` has no objection. The kernel is in
+``_grouped_gemm_persistent.py``; what it does differently, and why, is in its docstring.
+
+Served (everything else: ``supports`` says why, and the one-program-per-tile kernel runs):
+
+    activations   bf16 / fp16;  fp8 e4m3 or int8 with tensor, token or 1 x g group scales
+    weights       bf16 / fp16 (same dtype);  fp8 / int8 with tensor, channel or bn x bk block
+                  scales (w8a8 natively: the stored bytes in tl.dot); fp8 / int8 under bf16 /
+                  fp16 activations with tensor or channel scales
+    epilogue      bias, any ``ActEpilogue`` activation, router weight; C in the model dtype,
+                  static per-tensor fp8/int8 codes, or (``GroupQuantEpilogue``) fp8 codes with
+                  dynamic 1 x g group scales computed from the tile (g = 128 for the fp8-block
+                  scheme's a2): one launch and one [M, I] round trip fewer than act_quant
+
+Two row orders besides the old kernel's, chosen by the shapes of ``a`` and ``c`` (standard
+layout, P = ``routing.sorted_ids.numel()`` slots; BM >= 16 makes P > T*K, so the shapes
+cannot be confused):
+
+    a [P, K]   A_SORTED: row s is the A row of slot s (``a_div`` unused), read by TMA; its
+               scales (token or group) are [P, .] too. Padding slots may hold anything.
+    c [P, N]   C_SORTED: C (and group scales [P, G]) written by slot; padding slots untouched.
+
+So GEMM1 can write a2 by slot (C_SORTED, with its 1 x 128 group scales) and GEMM2 read it
+with TMA (A_SORTED) while still writing y by pair for ``moe_sum``. The batched layout is by
+slot already: its A [E, M_max, K] is read by TMA whenever it is one [E * M_max, K] matrix with
+16-byte aligned rows (else gathered by pointer).
+
+Tensor descriptors are built on the device, so Triton needs a global-memory allocator for
+them: the launcher installs one (``torch.empty`` bytes) unless one is set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..errors import expect
+from ..metadata import AlignedRouting
+from ..platform import current_platform
+from ..quant import Operand, QDtype, QTensor, TensorQuant
+from ._common import interpreting
+from ._grouped_gemm_persistent import _persistent_gemm_kernel
+from .gemm_format import _OUT_QUANT, ActEpilogue, GemmFormat, _strides, _u8
+from .launch_config import LaunchConfig
+
+_FLOAT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+_TMA_BOX = 256  # the most elements a TMA box spans in one dimension
+_TMA_ALIGN = 16  # bytes: descriptor base and row strides
+_INTERPRETER_PROGRAMS = 3  # persistent programs under the interpreter: a few tiles each, unevenly
+
+
+def _dynamic_group_fp8(q: TensorQuant | None) -> bool:
+    return q is not None and q.dtype is QDtype.FP8 and q.granularity.kind == "group" and q.dynamic
+
+
+@dataclass(frozen=True)
+class GroupQuantEpilogue(ActEpilogue):
+    """``ActEpilogue`` whose ``quant`` may also be dynamic fp8 with 1 x g group scales (the
+    fp8-block scheme's a2, g = 128). The persistent kernel computes each group's scale from
+    the tile it holds (BN / ``epilogue_subtile`` a multiple of g) and writes it into
+    ``act_scale``, then [rows of C, ceil(I / g)] fp32, instead of reading a static scale."""
+
+    @staticmethod
+    def supports(a2: TensorQuant | None) -> bool:
+        return ActEpilogue.supports(a2) or _dynamic_group_fp8(a2)
+
+
+def sorted_layout(a: torch.Tensor, c: torch.Tensor, routing: AlignedRouting | None) -> tuple[bool, bool]:
+    """(A_SORTED, C_SORTED): whether ``a`` / ``c`` hold one row per slot (module docstring)."""
+    if routing is None:
+        return False, False
+    slots = routing.sorted_ids.numel()
+    return a.shape[0] == slots, c.shape[0] == slots
+
+
+def _tma_ok(t: torch.Tensor, rows_stride: int) -> bool:
+    """A 2-D descriptor over ``t``'s rows is legal: contiguous last dim, 16-byte aligned base and row stride."""
+    el = t.element_size()
+    return t.stride(-1) == 1 and t.data_ptr() % _TMA_ALIGN == 0 and (rows_stride * el) % _TMA_ALIGN == 0
+
+
+def _w_view_ok(w: torch.Tensor) -> bool:
+    """W [E, N_w, K] is one [E * N_w, K] matrix for the descriptor (see the kernel docstring)."""
+    e, n_w, _ = w.shape
+    return (e == 1 or w.stride(0) == n_w * w.stride(1)) and _tma_ok(w, w.stride(1))
+
+
+def _batched_a_desc(a: torch.Tensor) -> bool:
+    """Batched A [E, M_max, K] read through a [E * M_max, K] descriptor."""
+    return a.dim() == 3 and (a.shape[0] == 1 or a.stride(0) == a.shape[1] * a.stride(1)) and _tma_ok(a, a.stride(1))
+
+
+def supports(
+    fmt: GemmFormat,
+    act: ActEpilogue | None = None,
+    *,
+    a: torch.Tensor | None = None,
+    w: QTensor | None = None,
+    c: torch.Tensor | None = None,
+    cfg: LaunchConfig | None = None,
+    routing: AlignedRouting | None = None,
+) -> str | None:
+    """Why the persistent kernel cannot serve this call, or None. Checks what it is given."""
+    if fmt.w_fmt not in ("float", "fp8", "int8"):
+        return f"{fmt.w_fmt} weights: the 4-bit formats have their own kernels"
+    if fmt.a_fmt not in ("float", "fp8", "int8"):
+        return f"{fmt.a_fmt} activations are not served"
+    if fmt.act_order or fmt.has_zero:
+        return "act-order and zero points are not served"
+    if fmt.a_fmt != "float" and not fmt.native:
+        return f"{fmt.a_fmt} activations need {fmt.a_fmt} weights (native w8a8)"
+    if fmt.a_fmt == "float" and fmt.w_fmt != "float" and fmt.w_bk:
+        return "weight-only 8-bit with block scales: the old kernel folds them per K step"
+    if (
+        act is not None
+        and act.quant is not None
+        and not (ActEpilogue.supports(act.quant) or _dynamic_group_fp8(act.quant))
+    ):
+        return f"output quantization {act.quant.short}: static per-tensor fp8/int8 or dynamic fp8 groups only"
+    plat = current_platform()
+    if not interpreting() and not plat.at_least(9, 0):
+        return f"TMA needs sm90+, platform is {plat.label}"
+    if cfg is not None:
+        why = _config_why(fmt, act, cfg)
+        if why:
+            return why
+    if a is not None and fmt.a_fmt == "float" and a.dtype not in _FLOAT:
+        return f"{a.dtype} activations: bf16/fp16 only (fp32 runs on the old kernel)"
+    if a is not None and fmt.a_fmt == "float" and w is not None and fmt.w_fmt == "float" and w.data.dtype != a.dtype:
+        return f"weights {w.data.dtype} with activations {a.dtype}"
+    if w is not None and not _w_view_ok(_u8(w.data)):
+        return "W must be [E, N, K] with K contiguous, rows 16-byte aligned and experts back to back (TMA)"
+    a_tma = False
+    if a is not None and c is not None and routing is not None:
+        a_tma = sorted_layout(a, c, routing)[0]
+        if a_tma and not _tma_ok(_u8(a), a.stride(0)):
+            return "slot-ordered A must have 16-byte aligned rows with K contiguous (TMA)"
+    elif a is not None and routing is None:
+        a_tma = _batched_a_desc(_u8(a))
+    if cfg is not None and cfg.warp_specialize and a is not None and not a_tma:
+        return "warp_specialize needs A through TMA (slot-ordered or batched A): Triton 3.6 fails on gathered A"
+    return None
+
+
+def _config_why(fmt: GemmFormat, act: ActEpilogue | None, cfg: LaunchConfig) -> str | None:
+    if cfg.block_m < 16:
+        return f"BM {cfg.block_m} < 16 (decode): the old kernel's FMA path"
+    rows = 2 * cfg.block_n if act is not None and act.activation.is_gated and act.gate_up_interleaved else cfg.block_n
+    if max(rows, cfg.block_k, cfg.block_m) > _TMA_BOX:
+        return f"a TMA box spans at most {_TMA_BOX} rows (W rows {rows}, BK {cfg.block_k}, BM {cfg.block_m})"
+    if fmt.w_fmt != "float" and cfg.block_k < 32:
+        return f"8-bit tl.dot on Hopper needs BK >= 32, got {cfg.block_k}"
+    if fmt.native and fmt.k_group and fmt.k_group % cfg.block_k:
+        return f"BK {cfg.block_k} must divide the K extent {fmt.k_group} of one scale (fit_launch_config)"
+    if cfg.warp_specialize:
+        why = _ws_why(act, cfg, rows)
+        if why:
+            return why
+    if act is not None and _dynamic_group_fp8(act.quant):
+        g = act.quant.granularity.group_size
+        piece = cfg.block_n // cfg.epilogue_subtile
+        if piece % g:
+            return f"dynamic 1 x {g} output groups need BN / epilogue_subtile ({piece}) to hold whole groups"
+    return None
+
+
+def _ws_why(act: ActEpilogue | None, cfg: LaunchConfig, w_rows: int) -> str | None:
+    """Where Triton 3.6's Hopper warp specialization (``tl.range(..., warp_specialize=True)``)
+    cannot serve, from offline sm_90 compiles of this kernel (tests/sm90_compile.py): at 8
+    warps it leaves the loop as it is; at 4 it runs 1 producer and 2 consumer warpgroups (12
+    warps, 168 registers each), and its pass fails for gathered A (checked in ``supports``),
+    for the interleaved gate/up split at BM 128, and for BM 64 with a 256-row W tile; below
+    64 rows (no wgmma) it leaves the loop as it is too."""
+    if cfg.num_warps != 4:
+        return f"warp_specialize needs num_warps 4 (Triton 3.6 does not specialize {cfg.num_warps}-warp programs)"
+    if cfg.block_m < 64:
+        return f"warp_specialize needs BM >= 64 (Triton 3.6 does not specialize BM {cfg.block_m})"
+    if act is not None and act.activation.is_gated and act.gate_up_interleaved and cfg.block_m > 64:
+        return "warp_specialize with interleaved gate/up needs BM <= 64 (Triton 3.6's pass fails)"
+    if cfg.block_m < 128 and w_rows > 128:
+        return f"warp_specialize with BM {cfg.block_m} needs <= 128 W rows per tile (Triton 3.6's pass fails)"
+    return None
+
+
+def _alloc(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Global scratch for device-side tensor descriptors (Triton asks at each launch)."""
+    return torch.empty(size, dtype=torch.int8, device="cpu" if interpreting() else "cuda")
+
+
+def _ensure_allocator() -> None:
+    """Install ``_alloc`` unless the caller set an allocator. Triton keeps it in a ContextVar,
+    so a thread that never set one (a new thread starts with Triton's null allocator) gets it
+    at its first launch."""
+    try:
+        from triton.runtime._allocation import NullAllocator, _allocator
+
+        if not isinstance(_allocator.get(), NullAllocator):
+            return
+    except ImportError:  # another Triton layout: set ours
+        pass
+    triton.set_allocator(_alloc)
+
+
+def _num_programs(tiles: int) -> int:
+    sms = current_platform().sm_count if not interpreting() else _INTERPRETER_PROGRAMS
+    return max(1, min(sms or _INTERPRETER_PROGRAMS, tiles))
+
+
+def _dot_dtype(fmt: GemmFormat, a: torch.Tensor):
+    """The dot's operand dtype where operands are converted (not native w8a8)."""
+    if interpreting():
+        return tl.float32  # the interpreter's bf16/fp16 dot multiplies raw bits
+    return _FLOAT.get(a.dtype, tl.bfloat16)
+
+
+def _out_quant(act: ActEpilogue | None) -> tuple[str, int]:
+    if act is None or act.quant is None:
+        return "none", 0
+    if _dynamic_group_fp8(act.quant):
+        return "fp8_group", act.quant.granularity.group_size
+    return _OUT_QUANT[act.quant.dtype][0], 0
+
+
+def persistent_gemm_launch(
+    a: Operand,
+    w: Operand,
+    c: torch.Tensor,
+    fmt: GemmFormat,
+    cfg: LaunchConfig,
+    *,
+    routing: AlignedRouting | None = None,
+    counts: torch.Tensor | None = None,
+    a_div: int = 1,
+    bias: torch.Tensor | None = None,
+    route_weights: torch.Tensor | None = None,
+    act: ActEpilogue | None = None,
+    act_scale: torch.Tensor | None = None,
+) -> None:
+    """Launch the persistent kernel into ``c``; arguments as ``grouped_gemm_launch``'s.
+
+    Besides: ``a`` / ``c`` may be slot-ordered (module docstring); with a
+    ``GroupQuantEpilogue`` of dynamic fp8 groups, ``c`` is fp8 and ``act_scale`` is the fp32
+    [rows of C, ceil(N / g)] (batched: [E, M_max, ceil(N / g)]) group-scale output.
+    Raises ``FusedMoEError`` with ``supports``'s reason where it cannot serve the call.
+    """
+    a_scale, a_global_scale = a.scale, a.global_scale
+    a, w = a.data, w.q
+    why = supports(fmt, act, a=a, w=w, c=c, cfg=cfg, routing=routing)
+    expect(why is None, "persistent grouped GEMM", "a call it serves", why)
+    expect(a_global_scale is None, "a_global_scale", "None (NVFP4 is not served)", "a tensor")
+    batched = routing is None
+    e_l, n_w, kd = w.shape
+    n = n_w if act is None else act.out_cols(n_w)
+    a_sorted, c_sorted = sorted_layout(a, c, routing)
+    if batched:
+        m_max = a.shape[1]
+        counts = counts.contiguous()  # read at counts + e
+        blocks_per_expert = triton.cdiv(m_max, cfg.block_m)
+        num_m_blocks = e_l * blocks_per_expert
+        num_pairs = 0
+        a_sorted = _batched_a_desc(_u8(a))  # already by slot: TMA where the layout allows
+        a_rows_total = e_l * m_max
+        a_str, c_str = a.stride(), c.stride()
+    else:
+        m_max = blocks_per_expert = 0
+        num_m_blocks = routing.block_expert.numel()  # an upper bound; the kernel reads num_padded
+        num_pairs = routing.num_pairs
+        slots = routing.sorted_ids.numel()
+        ok_a = a_sorted or a.shape[0] * a_div == num_pairs
+        expect(ok_a, "a", f"{num_pairs // max(a_div, 1)} rows (by pair) or {slots} (by slot)", tuple(a.shape))
+        expect(c_sorted or c.shape[0] == num_pairs, "c", f"{num_pairs} rows (by pair) or {slots} (by slot)", c.shape)
+        expect(routing.block_m == cfg.block_m, "cfg.block_m", f"routing.block_m = {routing.block_m}", cfg.block_m)
+        a_rows_total = a.shape[0]
+        a_str, c_str = (0, *a.stride()), (0, *c.stride())
+    if num_m_blocks == 0 or n == 0 or c.numel() == 0:
+        return
+    out_quant, out_group = _out_quant(act)
+    scale_nd = 3 if batched else 2
+    a_scale = _u8(a_scale)
+    as_str = _strides(a_scale, scale_nd) if a_scale is not None else (0,) * scale_nd
+    if not batched:
+        as_str = (0, *as_str)
+    ws_str = _strides(w.scale, 3) if w.scale is not None else (0, 0, 0)
+    if route_weights is not None and not batched:
+        route_weights = route_weights.reshape(-1)
+    rw_str = (0, 0)
+    if route_weights is not None:
+        rw_str = _strides(route_weights, 2) if batched else (0, route_weights.stride(0))
+    num_groups, cs_str, c_scale = 0, (0, 0, 0), None
+    if out_quant == "fp8_group":
+        num_groups = triton.cdiv(n, out_group)
+        want = (*c.shape[:-1], num_groups)
+        ok = act_scale is not None and tuple(act_scale.shape) == want and act_scale.dtype == torch.float32
+        expect(ok, "act_scale", f"the fp32 {want} group-scale output", None if act_scale is None else act_scale.shape)
+        c_scale = act_scale
+        cs_str = act_scale.stride() if batched else (0, *act_scale.stride())
+    elif out_quant != "none":
+        c_scale = act_scale.reshape(1).float().contiguous()
+    c_arg = _u8(c)
+    dummy = c_arg
+    _ensure_allocator()
+    grid = (_num_programs(num_m_blocks * triton.cdiv(n, cfg.block_n)),)
+    _persistent_gemm_kernel[grid](
+        a if a_sorted else _u8(a),  # descriptors typed (kernel docstring), pointer loads uint8
+        dummy if a_scale is None else a_scale,
+        w.data,
+        dummy if w.scale is None else w.scale,
+        dummy if bias is None else bias,
+        dummy if route_weights is None else route_weights,
+        c_arg,
+        dummy if c_scale is None else c_scale,
+        dummy if batched else routing.sorted_ids,
+        dummy if batched else routing.block_expert,
+        dummy if batched else routing.num_padded,
+        counts if batched else dummy,
+        n,
+        n_w,
+        kd,
+        num_pairs,
+        a_div,
+        m_max,
+        blocks_per_expert,
+        num_m_blocks,
+        a_rows_total,
+        e_l * n_w,
+        num_groups,
+        1.702 if act is None else act.swiglu_alpha,
+        7.0 if act is None else act.swiglu_limit,
+        *a_str,
+        *as_str,
+        w.data.stride(1),
+        *ws_str,
+        *(bias.stride() if bias is not None else (0, 0)),
+        *rw_str,
+        *c_str,
+        *cs_str,
+        BATCHED=batched,
+        A_SORTED=a_sorted,
+        C_SORTED=c_sorted,
+        A_FMT=fmt.a_fmt,
+        A_GROUP=fmt.a_group,
+        W_FMT=fmt.w_fmt,
+        W_BN=fmt.w_bn,
+        W_BK=fmt.w_bk,
+        HAS_BIAS=bias is not None,
+        MUL_ROUTED_WEIGHT=route_weights is not None,
+        NATIVE=fmt.native,
+        DOT_DTYPE=_dot_dtype(fmt, a),
+        ACT="none" if act is None else act.activation.value,
+        INTERLEAVED=act is not None and act.gate_up_interleaved,
+        OUT_QUANT=out_quant,
+        OUT_GROUP=max(out_group, 1),
+        EXACT_CAST=interpreting(),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        SUBTILE=cfg.epilogue_subtile,
+        FLATTEN=cfg.flatten and not cfg.warp_specialize,  # fused loops are not specialized
+        WARP_SPECIALIZE=cfg.warp_specialize,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )

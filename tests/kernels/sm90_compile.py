@@ -1,0 +1,246 @@
+"""Compile the persistent grouped GEMM for sm_90 on a machine without a GPU.
+
+    PYTHONPATH=src python3 tests/kernels/sm90_compile.py [--json]
+
+Every launch ``persistent_gemm_launch`` makes is compiled, not run: Triton's own binder turns
+the arguments into the signature and specialisation a GPU launch would compile (CPU tensors
+carry the same dtypes, and fresh allocations the same 16-byte alignment), then the whole
+pipeline runs for sm_90 down to a cubin (ptxas ships with Triton), and the cubin's resource
+usage and SASS say what the GPU would run: registers, spilled bytes, shared memory, warps,
+and counts of wgmma (``[HQI]GMMA``), TMA loads (``UTMALDG``) and cp.async (``LDGSTS``).
+
+The interpreter cannot show any of this (``TRITON_INTERPRET`` must be unset: CI sets it before
+Python starts, so ``test_kernels_gemm_persistent.py`` runs this file in a subprocess). The
+cases are the configs ``scripts/kbench_prefill.py`` builds on, one per code path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+SMEM_LIMIT = 232448  # bytes of shared memory an H100 block may use (227 KiB)
+
+
+@dataclasses.dataclass
+class Case:
+    label: str
+    scheme: str  # a QuantScheme name
+    gemm: str  # gemm1 (A = x, gated act) | gemm2
+    cfg: tuple  # LaunchConfig fields
+    act: str | None = None  # "silu" | "swigluoai_il" (interleaved, bias) | None
+    out: str | None = None  # None | "g128" (dynamic fp8 groups) | "int8" (static)
+    sorted_a: bool = False
+    batched: bool = False
+    no_spill: bool = True  # spilled bytes must be 0
+    specialized: bool = False  # warp specialization must have happened (12 warps)
+
+
+def _p(bm, bn, bk, warps, stages, **kw) -> tuple:
+    return (bm, bn, bk, 8, warps, stages, True, kw.get("ws", False), kw.get("flatten", True), kw.get("sub", 1))
+
+
+CASES = [
+    Case("bf16 gemm2 128x256", "bf16", "gemm2", _p(128, 256, 64, 8, 3)),
+    Case("bf16 gemm1 silu 128x(2x128)", "bf16", "gemm1", _p(128, 128, 64, 8, 3), act="silu"),
+    Case("bf16 gemm1 swigluoai il+bias", "bf16", "gemm1", _p(128, 128, 64, 8, 3), act="swigluoai_il"),
+    Case("bf16 gemm2 subtile 2", "bf16", "gemm2", _p(128, 256, 64, 8, 3, sub=2)),
+    Case(
+        "bf16 gemm1 sorted ws",
+        "bf16",
+        "gemm1",
+        _p(128, 128, 64, 4, 3, ws=True),
+        act="silu",
+        sorted_a=True,
+        specialized=True,
+    ),  # fmt: skip
+    Case("bf16 batched gemm2 64x128", "bf16", "gemm2", _p(64, 128, 64, 4, 3), batched=True),
+    Case("fp8_tensor gemm2 128x256", "fp8_tensor", "gemm2", _p(128, 256, 128, 8, 3)),
+    Case("fp8_block gemm2 128x128", "fp8_block", "gemm2", _p(128, 128, 128, 8, 4)),
+    Case("fp8_block gemm1 g128 out", "fp8_block", "gemm1", _p(64, 128, 128, 8, 4), act="silu", out="g128"),
+    Case(
+        "fp8_block gemm2 sorted ws",
+        "fp8_block",
+        "gemm2",
+        _p(128, 128, 128, 4, 4, ws=True),
+        sorted_a=True,
+        specialized=True,
+    ),  # fmt: skip
+    Case("int8 channel gemm2 (int32 acc)", "int8_w8a8_channel", "gemm2", _p(128, 256, 128, 8, 3)),
+    Case("int8 w8a16 gemm2", "int8_w8a16", "gemm2", _p(128, 128, 64, 8, 3)),
+    Case(
+        "fp8_tensor gemm1 int8 static out", "int8_w8a8_tensor", "gemm1", _p(128, 128, 128, 8, 3), act="silu", out="int8"
+    ),  # fmt: skip
+]
+
+
+class _Compiler:
+    """Stands in for the jit kernel: compiles each launch for sm_90 and keeps what it found."""
+
+    def __init__(self, kernel) -> None:
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.backends.nvidia.compiler import CUDABackend
+
+        self.kernel = kernel
+        self.target = GPUTarget("cuda", 90, 32)
+        self.backend = CUDABackend(self.target)
+        self.bin = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        self.found: dict = {}
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            import triton
+            from triton.compiler import ASTSource
+            from triton.runtime.jit import create_function_from_signature
+
+            k = self.kernel
+            kwargs = {"debug": False, **kwargs}
+            binder = create_function_from_signature(k.signature, k.params, self.backend)
+            bound, spec, opts = binder(*args, **kwargs)
+            options, sig, consts, attrs = k._pack_args(self.backend, kwargs, bound, spec, opts)
+            compiled = triton.compile(ASTSource(k, sig, consts, attrs), target=self.target, options=options.__dict__)
+            self.found = self.inspect(compiled)
+
+        return launch
+
+    def inspect(self, compiled) -> dict:
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(compiled.asm["cubin"])
+            f.flush()
+            usage = subprocess.run([self.bin, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+            sass = subprocess.run([self.bin, "-sass", f.name], capture_output=True, text=True).stdout
+        regs = re.search(r"REG:(\d+)", usage)
+        stack = re.search(r"STACK:(\d+)", usage)
+        return {
+            "regs": int(regs.group(1)) if regs else -1,
+            "spill_bytes": int(stack.group(1)) if stack else -1,
+            "smem": compiled.metadata.shared,
+            "warps": compiled.metadata.num_warps,
+            "wgmma": len(re.findall(r"[HQI]GMMA", sass)),
+            "tma_loads": len(re.findall(r"UTMALDG", sass)),
+            "cp_async": len(re.findall(r"LDGSTS", sass)),
+        }
+
+
+def _operands(case: Case):
+    """Small operands of the case's formats (shapes do not change the specialisation: every
+    dimension here is a multiple of 16, as every preset's is)."""
+    import torch
+
+    from fusedmoe.config import Activation
+    from fusedmoe.kernels.align import moe_align_ref
+    from fusedmoe.kernels.gemm_format import GemmFormat
+    from fusedmoe.kernels.grouped_gemm_persistent import GroupQuantEpilogue
+    from fusedmoe.kernels.launch_config import LaunchConfig, fit_launch_config
+    from fusedmoe.quant import Granularity, Operand, QDtype, QTensor, QuantScheme, TensorQuant, quantize
+    from fusedmoe.testing import random_topk
+
+    gen = torch.Generator().manual_seed(0)
+    sch = QuantScheme.by_name(case.scheme)
+    e, t, k, h, i = 4, 64, 2, 256, 256
+    n_w, kd = (2 * i, h) if case.gemm == "gemm1" else (h, i)
+    rows = t if case.gemm == "gemm1" else t * k
+    x = torch.randn(4, 32, kd) if case.batched else torch.randn(rows, kd)
+    w = torch.randn(e, n_w, kd, generator=gen) * 0.05
+    wq = QTensor(w.bfloat16(), (e, n_w, kd)) if sch.w1 is None else quantize(w, sch.w1)
+    a, a_scale = x.bfloat16(), None
+    if sch.a1 is not None:
+        q = quantize(x, sch.a1)
+        a, a_scale = q.data, q.scale
+    fmt = GemmFormat.of(sch.w1, sch.a1, n_w, kd)
+    cfg = fit_launch_config(LaunchConfig(*case.cfg), fmt.k_group, strict=fmt.native)
+    act = None
+    if case.act is not None:
+        quant = {"g128": TensorQuant(QDtype.FP8, Granularity.group(128), dynamic=True),
+                 "int8": TensorQuant(QDtype.INT8, Granularity.tensor())}.get(case.out)  # fmt: skip
+        il = case.act == "swigluoai_il"
+        act = GroupQuantEpilogue(Activation.SWIGLUOAI if il else Activation.SILU, gate_up_interleaved=il, quant=quant)
+    n = n_w if act is None else act.out_cols(n_w)
+    kw = dict(act=act)
+    if case.act == "swigluoai_il":
+        kw["bias"] = torch.randn(e, n_w).bfloat16()
+    if case.batched:
+        kw["counts"] = torch.tensor([5, 0, 32, 7], dtype=torch.int32)
+        c = torch.empty(4, 32, n, dtype=torch.bfloat16)
+    else:
+        ids, tw = random_topk(t, e, k, gen)
+        r = moe_align_ref(ids, e, cfg.block_m)
+        a_div = k if case.gemm == "gemm1" else 1
+        if case.sorted_a:
+            src = (r.sorted_ids.long() // a_div).clamp(max=a.shape[0] - 1)
+            a = a[src].contiguous()
+            a_scale = a_scale if a_scale is None or a_scale.shape[0] == 1 else a_scale[src].contiguous()
+        kw.update(routing=r, a_div=a_div, route_weights=None if case.gemm == "gemm1" else tw.reshape(-1))
+        out_dtype = {"g128": torch.float8_e4m3fn, "int8": torch.int8}.get(case.out, torch.bfloat16)
+        c = torch.empty(t * k, n, dtype=out_dtype)
+        if case.out == "g128":
+            kw["act_scale"] = torch.empty(t * k, -(-n // 128))
+        elif case.out == "int8":
+            kw["act_scale"] = torch.ones(1)
+    qa = QTensor(a, (*a.shape[:-1], kd), scale=a_scale)
+    return Operand(qa, sch.a1), Operand(wq, sch.w1), c, fmt, cfg, kw
+
+
+def compile_case(case: Case) -> dict:
+    import fusedmoe.kernels.grouped_gemm_persistent as gp
+    from fusedmoe.platform import Platform
+
+    gp.current_platform = lambda: Platform.simulated("sm90")  # supports() asks for sm90+
+    if not isinstance(gp._persistent_gemm_kernel, _Compiler):
+        gp._persistent_gemm_kernel = _Compiler(gp._persistent_gemm_kernel)
+    comp = gp._persistent_gemm_kernel
+    t0 = time.time()
+    try:
+        a, w, c, fmt, cfg, kw = _operands(case)
+        comp.found = {}
+        gp.persistent_gemm_launch(a, w, c, fmt, cfg, **kw)
+        res = {"ok": bool(comp.found), **comp.found}
+    except Exception as exc:
+        res = {"ok": False, "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"}
+    res["seconds"] = round(time.time() - t0, 2)
+    return res
+
+
+def problems(case: Case, res: dict) -> list[str]:
+    """What is wrong with a compiled case (empty: nothing)."""
+    if not res["ok"]:
+        return [res.get("error", "not compiled")]
+    bad = []
+    if res["wgmma"] == 0:
+        bad.append("no wgmma")
+    if res["tma_loads"] == 0:
+        bad.append("no TMA load")
+    if res["smem"] > SMEM_LIMIT:
+        bad.append(f"shared memory {res['smem']} > {SMEM_LIMIT}")
+    if case.no_spill and res["spill_bytes"] != 0:
+        bad.append(f"{res['spill_bytes']} bytes spilled")
+    if case.specialized and res["warps"] != 12:
+        bad.append(f"not warp-specialized ({res['warps']} warps)")
+    return bad
+
+
+def main(argv: list[str]) -> int:
+    assert os.environ.get("TRITON_INTERPRET", "0") != "1", "unset TRITON_INTERPRET: this compiles for the GPU"
+    out, failed = [], 0
+    for case in CASES:
+        res = compile_case(case)
+        bad = problems(case, res)
+        failed += bool(bad)
+        out.append({"case": case.label, **res, "problems": bad})
+        if "--json" not in argv:
+            shown = {k: v for k, v in res.items() if k not in ("ok", "error")}
+            print(f"{case.label:34s} {'FAIL ' + '; '.join(bad) if bad else 'ok'} {shown}", flush=True)
+    if "--json" in argv:
+        print(json.dumps(out))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
