@@ -50,26 +50,28 @@ def _cmd_run(args) -> int:
 
 
 def _run_checkpoint(args, device: str) -> int:
-    from .checkpoints.checkpoint import run_checkpoint
+    """``run --checkpoint``: a bad checkpoint is one line on stderr and status 2 (``--debug``: the traceback)."""
+    from .checkpoints import run_checkpoint
+    from .errors import FusedMoEError
 
     dtype = (
         {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype] if args.dtype_set else None
     )
-    r = run_checkpoint(
-        args.checkpoint,
-        args.backend,
-        args.tokens,
-        layer=args.layer,
-        seed=args.seed,
-        dtype=dtype,
-        online=args.online,
-        device=device,
-    )
+    kw = dict(layer=args.layer, seed=args.seed, dtype=dtype, online=args.online, device=device, truth=args.truth)
+    try:
+        r = run_checkpoint(args.checkpoint, args.backend, args.tokens, **kw)
+    except (FusedMoEError, OSError) as e:  # what a checkpoint can be wrong about: its files, names, shapes
+        if args.debug:
+            raise
+        print(f"fusedmoe run: checkpoint {args.checkpoint}: {e}", file=sys.stderr)
+        return 2
     print(f"fusedmoe run: checkpoint {args.checkpoint} ({r['model_type']}, format {r['format']})")
     print(f"scheme {r['scheme']} (computed as {r['compute_scheme']}), tokens {args.tokens}, device {device}")
     print("oracle:\n" + r["explain"])
     print(f"loaded in {r['load_s']:.2f} s; forward {r['forward_ms']:.3f} ms (backend {r['backend']})")
-    print(f"rel. error vs reference {r['rel_error']:.2e} (tolerance {r['tolerance']:.0e})")
+    print(f"truth: {r['truth']}")
+    print(f"rel. error vs truth {r['rel_error']:.2e} (tolerance {r['tolerance']:.0e})")
+    print(f"rel. error vs reference {r['reference_error']:.2e} (tolerance {r['reference_tolerance']:.0e})")
     print("PASS" if r["passed"] else "FAIL")
     return 0 if r["passed"] else 1
 
@@ -172,6 +174,14 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--checkpoint", help="a model folder (config.json + *.safetensors): run its first MoE layer")
     r.add_argument("--layer", type=int, default=None, help="with --checkpoint: which layer")
     r.add_argument("--online", default=None, help="with --checkpoint: quantize a bf16 checkpoint at load (scheme)")
+    r.add_argument(
+        "--truth",
+        default="auto",
+        choices=["auto", "transformers", "reference"],
+        help="with --checkpoint: compare with transformers' own block of the checkpoint (auto: when it loads) "
+        "or the float64 reference on the loaded weights",
+    )
+    r.add_argument("--debug", action="store_true", help="with --checkpoint: show the traceback of a load error")
     r.add_argument("--preset", default="small")
     r.add_argument("--scheme", default="bf16")
     r.add_argument("--tokens", type=int, default=64)

@@ -37,7 +37,7 @@ import pytest
 import torch
 
 from fusedmoe import FusedMoEError, ParallelConfig, QuantScheme, UnsupportedError
-from fusedmoe.checkpoints import detect, load_checkpoint, load_layer, run_checkpoint
+from fusedmoe.checkpoints import detect, find_experts, load_checkpoint, load_layer, run_checkpoint
 from fusedmoe.integrations.hf_blocks import extract
 from fusedmoe.quant import Granularity, QDtype, TensorQuant, dequantize, quantize
 from fusedmoe.quant.fp4 import nvfp4_global_scale
@@ -398,10 +398,10 @@ def _awq_reference_dequant(st: dict, prefix: str) -> torch.Tensor:
     return ((codes - zeros[g]) * sc.float()[g]).t()
 
 
-def _truth(case: str, path: str, info: dict, block_path: str, names) -> tuple[torch.Tensor, torch.Tensor]:
+def _truth(case: str, path: str, info: dict, where) -> tuple[torch.Tensor, torch.Tensor]:
     """(W13 [E, 2I, H], W2 [E, H, I]) of the checkpoint, in fusedmoe's reference layout."""
     st = safetensors_torch.load_file(os.path.join(path, "model.safetensors"))
-    how = CASES[case][1]
+    how, block_path = CASES[case][1], where.block
     if how == "mxfp4":
         from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
@@ -415,16 +415,14 @@ def _truth(case: str, path: str, info: dict, block_path: str, names) -> tuple[to
     if f"{block_path}.experts.gate_up_proj" in st:  # gpt-oss in the model dtype: [E, K, N]
         return tuple(st[f"{block_path}.experts.{p}"].transpose(1, 2).float() for p in ("gate_up_proj", "down_proj"))
     w13, w2 = [], []
-    e = 0
-    while any(k.startswith(f"{block_path}.experts.{e}.") for k in st):
-        p = {s: f"{block_path}.experts.{e}.{n}" for s, n in names}
+    for e in sorted(where.linears):
+        p = dict(where.linears[e])
         if how in ("float", "online"):
             w13.append(torch.cat([st[p["w1"] + ".weight"], st[p["w3"] + ".weight"]]).float())
             w2.append(st[p["w2"] + ".weight"].float())
         else:
             w13.append(torch.cat([_read_linear(case, st, p["w1"], info), _read_linear(case, st, p["w3"], info)]))
             w2.append(_read_linear(case, st, p["w2"], info))
-        e += 1
     return torch.stack(w13), torch.stack(w2)
 
 
@@ -445,14 +443,11 @@ def test_checkpoint_loads_and_matches(case, checkpoints):
     path, info = checkpoints(case)
     name, how = CASES[case]
     online = "fp8" if how == "online" else None
-    result = run_checkpoint(path, "reference", 16, online=online)
+    result = run_checkpoint(path, "reference", 16, online=online, truth="reference")
     assert result["passed"], result
     layer = load_layer(path, backend="cpu", keep_reference=True, online=online)
-    from fusedmoe.checkpoints.models import describe
-
-    with open(os.path.join(path, "config.json")) as f:
-        arch = describe(json.load(f))
-    w13, w2 = _truth(case, path, info, arch.block_path(0), arch.expert_names)
+    keys = safetensors_torch.load_file(os.path.join(path, "model.safetensors")).keys()
+    w13, w2 = _truth(case, path, info, find_experts(keys, 0, layer.config.num_experts))
     ours13, ours2 = layer.reference_weights.dequantized(layer.scheme)
     err_w2 = rel_error(ours2, w2)
     err_w13 = rel_error(ours13, w13)

@@ -9,22 +9,31 @@
     mxfp4                gpt-oss (``mxfp4``)
     modelopt             NVIDIA ModelOpt FP8 / NVFP4 (``modelopt``)
 
+``find_experts`` maps a layer's expert tensors by their names (``layout``).
 ``load_checkpoint(path)`` builds the ``FusedMoE`` layers of a folder with
 config.json and ``*.safetensors``; ``run_checkpoint(path, backend, tokens)``
-runs the first one against the reference (``fusedmoe run --checkpoint``).
+runs one against transformers' own block of the same checkpoint, or the
+float64 reference (``fusedmoe run --checkpoint``).
+
+Optional packages: safetensors and compressed-tensors come with
+``fusedmoe[checkpoints]``, transformers (the outside truth) with ``fusedmoe[hf]``.
 """
 
 from __future__ import annotations
 
 from .base import CheckpointFormat, CheckpointReader, read_config
-from .checkpoint import load_checkpoint, load_layer, run_checkpoint
+from .checkpoint import load_checkpoint, load_layer
 from .detect import CHECKPOINT_FORMATS, detect
+from .layout import ExpertLayout, find_experts
+from .run import run_checkpoint
 
 __all__ = [
     "CHECKPOINT_FORMATS",
     "CheckpointReader",
     "CheckpointFormat",
+    "ExpertLayout",
     "detect",
+    "find_experts",
     "load_checkpoint",
     "load_layer",
     "read_config",

@@ -22,6 +22,7 @@ global scales) so that every scale is a dequantization multiplier.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from collections.abc import Iterable
@@ -33,7 +34,18 @@ import torch
 from ..errors import FusedMoEError, UnsupportedError, expect
 from ..quant import QTensor, QuantScheme, TensorQuant, dequantize
 
-__all__ = ["CheckpointReader", "CheckpointFormat", "check_tensor", "read_config"]
+__all__ = ["CheckpointReader", "CheckpointFormat", "check_tensor", "read_config", "require"]
+
+# Optional packages, found once at import (``find_spec`` imports nothing): the extra that brings each
+EXTRAS = {"safetensors": "checkpoints", "compressed_tensors": "checkpoints", "transformers": "hf"}
+INSTALLED = {name: importlib.util.find_spec(name) is not None for name in EXTRAS}
+
+
+def require(module: str, what: str) -> None:
+    """An error naming the extra to install unless the optional package ``module`` is installed."""
+    if not INSTALLED[module]:
+        extra = EXTRAS[module]
+        raise FusedMoEError(f"{what} needs the package '{module}': pip install 'fusedmoe[{extra}]'")
 
 
 def read_config(path: str) -> dict:
@@ -59,6 +71,7 @@ class CheckpointReader:
     """Lazy access to the tensors of every ``*.safetensors`` file in a folder (one open per file)."""
 
     def __init__(self, path: str, device: str | torch.device = "cpu") -> None:
+        require("safetensors", "reading *.safetensors checkpoints")
         from safetensors import safe_open
 
         files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
@@ -143,13 +156,18 @@ class CheckpointFormat:
         """The scheme for a layer of these full sizes (only per-channel int4 depends on them)."""
         return self.scheme
 
+    def for_layer(self, where, hidden: int, intermediate: int) -> CheckpointFormat:
+        """The format of one layer (``where``: its ``layout.ExpertLayout``); compressed-tensors
+        configs may give each layer its own scheme."""
+        return self
+
     def linear(self, reader: CheckpointReader, path: str) -> dict[str, torch.Tensor]:
         raise UnsupportedError(f"{self.name} checkpoints: per-expert Linear tensors at '{path}' are not supported")
 
     def fused(self, reader: CheckpointReader, path: str, proj: str) -> dict[str, torch.Tensor]:
         raise UnsupportedError(
-            f"{self.name} checkpoints: fused expert tensors ('{path}.{proj}') are not supported; "
-            "expected per-expert Linear modules"
+            f"{self.name} checkpoints: experts fused into one tensor per projection ('{path}.{proj}*') "
+            "are not a layout this format has"
         )
 
     def dense(self, reader: CheckpointReader, path: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -1,32 +1,34 @@
-"""Build ``FusedMoE`` layers from a checkpoint folder, and ``run_checkpoint`` for ``fusedmoe run``.
+"""Build ``FusedMoE`` layers from a checkpoint folder.
 
-A folder holds config.json (``model_type`` says where the MoE blocks are,
+A folder holds config.json (``model_type`` says what the MoE layers compute,
 ``quantization_config`` how they are stored; see ``models`` and ``detect``) and
-``*.safetensors`` files read lazily: only the tensors of the requested layers
-and of this rank's experts are read. Each layer is loaded the way a serving
-engine does: create -> ``weight_loader`` per checkpoint tensor (with TP/EP
-sharding) -> ``process_weights_after_loading``.
+``*.safetensors`` files. Where the experts are comes from the tensor names
+(``layout.find_experts``, from the safetensors headers only). Each layer is
+loaded the way a serving engine does: create -> ``weight_loader`` per
+checkpoint tensor (with TP/EP sharding) -> ``process_weights_after_loading``.
+
+Loading streams: the files are memory-mapped (``safetensors.safe_open``) and a
+tensor is read when its Linear is loaded, then dropped once copied into the
+layer, so one layer of a checkpoint of any size reads that layer's tensors
+and nothing else (the names come from the headers alone). The peak memory
+of such a load has not been measured yet.
 """
 
 from __future__ import annotations
 
-import time
-
 import torch
-import torch.nn.functional as F
 
 from ..config import ParallelConfig
 from ..errors import expect
-from ..experts.reference import moe_reference
 from ..integrations.hf_blocks import SharedExpert
 from ..layer import FusedMoE
 from ..platform import Platform
-from ..testing import rel_error, tolerance
 from .base import CheckpointFormat, CheckpointReader, read_config
 from .detect import detect
+from .layout import ExpertLayout, find_experts
 from .models import MoEArch, describe
 
-__all__ = ["load_checkpoint", "load_layer", "run_checkpoint"]
+__all__ = ["build_layer", "load_checkpoint", "load_layer", "open_checkpoint"]
 
 _PREFIX = {"w1": "w13", "w3": "w13", "w13": "w13", "w2": "w2"}
 
@@ -52,37 +54,38 @@ def _shared(reader: CheckpointReader, fmt: CheckpointFormat, arch: MoEArch, bloc
     return _Shared(SharedExpert(w["gate_proj"], w["up_proj"], w["down_proj"], arch.config.activation, gate))
 
 
-def _load_experts(moe: FusedMoE, reader: CheckpointReader, fmt: CheckpointFormat, arch: MoEArch, block: str) -> None:
-    e_all = arch.config.num_experts
-    if arch.fused_experts:
-        for proj, shard in (("gate_up_proj", "w13"), ("down_proj", "w2")):
-            pieces = fmt.fused(reader, f"{block}.experts", proj)
+def _load_experts(moe: FusedMoE, reader: CheckpointReader, fmt: CheckpointFormat, where: ExpertLayout) -> None:
+    e_all = moe.config.num_experts
+    for shard, proj in where.fused:
+        pieces = fmt.fused(reader, where.experts_path, proj)
+        for key, t in pieces.items():
+            what = f"checkpoint tensor '{where.experts_path}.{proj}' ({key})"
+            expect(t.shape[0] == e_all, what, f"{e_all} experts in dim 0", tuple(t.shape))
+        for e in moe.local_experts:
             for key, t in pieces.items():
-                what = f"checkpoint tensor '{block}.experts.{proj}' ({key})"
-                expect(t.shape[0] == e_all, what, f"{e_all} experts in dim 0", tuple(t.shape))
-            for e in moe.local_experts:
-                for key, t in pieces.items():
-                    moe.weight_loader(f"{_PREFIX[shard]}_{key}", t[e], e, shard)
-        return
-    for e in moe.local_experts:
-        for shard, name in arch.expert_names:
-            pieces = fmt.linear(reader, f"{block}.experts.{e}.{name}")
+                moe.weight_loader(f"{_PREFIX[shard]}_{key}", t[e], e, shard)
+    for e in moe.local_experts if where.linears else ():
+        for shard, path in where.linears[e]:
+            pieces = fmt.linear(reader, path)
+            if "bias" not in pieces and reader.has(f"{path}.bias"):  # gpt-oss experts as Linears keep biases
+                pieces["bias"] = reader.get(f"{path}.bias")
             for key, t in pieces.items():
                 moe.weight_loader(f"{_PREFIX[shard]}_{key}", t, e, shard)
 
 
-def _build(
+def build_layer(
     reader: CheckpointReader,
     fmt: CheckpointFormat,
     arch: MoEArch,
     layer: int,
     *,
-    backend: str,
-    parallel: ParallelConfig | None,
-    device,
-    platform: Platform | None,
-    keep_reference: bool,
+    backend: str = "auto",
+    parallel: ParallelConfig | None = None,
+    device: str | torch.device = "cpu",
+    platform: Platform | None = None,
+    keep_reference: bool = False,
 ) -> FusedMoE:
+    """MoE layer ``layer`` of an opened checkpoint (``open_checkpoint``), loaded and converted."""
     expect(layer in arch.moe_layers, "layer", f"one of the MoE layers {list(arch.moe_layers)}", layer)
     parallel = parallel or ParallelConfig()
     full = arch.config
@@ -93,10 +96,13 @@ def _build(
         parallel.tp_size,
     )
     config = full.replace(intermediate_size=full.intermediate_size // parallel.tp_size)
-    block = arch.block_path(layer)
+    where = find_experts(reader.keys(), layer, full.num_experts)
+    fmt = fmt.for_layer(where, full.hidden_size, full.intermediate_size)
+    block = where.block
     corr = None
     if arch.correction_bias:
-        corr = reader.get(f"{block}.{arch.router_name}.e_score_correction_bias", "DeepSeek-V3 routing")
+        expect(where.router is not None, f"checkpoint layer {layer}", f"a router ('{block}.gate.weight')")
+        corr = reader.get(f"{where.router}.e_score_correction_bias", "DeepSeek-V3 routing")
     moe = FusedMoE(
         config,
         fmt.layer_scheme(config.hidden_size, config.intermediate_size),
@@ -109,13 +115,13 @@ def _build(
         platform=platform,
         device=device,
     )
-    _load_experts(moe, reader, fmt, arch, block)
+    _load_experts(moe, reader, fmt, where)
     moe.process_weights_after_loading(keep_reference=keep_reference)
     return moe
 
 
-def _open(path: str, dtype, online, device):
-
+def open_checkpoint(path: str, dtype=None, online: str | None = None, device="cpu"):
+    """(reader, format, arch) of the checkpoint folder ``path``: headers and config only, no tensor read."""
     cfg = read_config(path)
     return CheckpointReader(path, device), detect(cfg, online=online), describe(cfg, dtype)
 
@@ -133,10 +139,10 @@ def load_layer(
     keep_reference: bool = False,
 ) -> FusedMoE:
     """One MoE layer (default: the first) of the checkpoint at ``path``."""
-    reader, fmt, arch = _open(path, dtype, online, device)
+    reader, fmt, arch = open_checkpoint(path, dtype, online, device)
     layer = arch.moe_layers[0] if layer is None else layer
     kw = dict(backend=backend, parallel=parallel, device=device, platform=platform, keep_reference=keep_reference)
-    return _build(reader, fmt, arch, layer, **kw)
+    return build_layer(reader, fmt, arch, layer, **kw)
 
 
 def load_checkpoint(
@@ -151,85 +157,6 @@ def load_checkpoint(
     platform: Platform | None = None,
 ) -> list[FusedMoE]:
     """Every MoE layer of the checkpoint at ``path`` (or those in ``layers``), loaded and converted."""
-    reader, fmt, arch = _open(path, dtype, online, device)
+    reader, fmt, arch = open_checkpoint(path, dtype, online, device)
     kw = dict(backend=backend, parallel=parallel, device=device, platform=platform, keep_reference=False)
-    return [_build(reader, fmt, arch, L, **kw) for L in (layers or arch.moe_layers)]
-
-
-def router_logits(
-    reader: CheckpointReader, fmt: CheckpointFormat, arch: MoEArch, layer: int, x: torch.Tensor
-) -> torch.Tensor:
-    """The checkpoint router's logits for ``x`` [T, H] (float32 for DeepSeek, as transformers does)."""
-    path = f"{arch.block_path(layer)}.{arch.router_name}"
-    dt = torch.float32 if arch.router_fp32 else x.dtype
-    w = fmt.dense(reader, path, dt)
-    b = reader.get(f"{path}.bias", "the router bias").to(dt) if arch.router_bias else None
-    return F.linear(x.to(dt), w, b)
-
-
-def run_checkpoint(
-    path: str,
-    backend: str = "auto",
-    tokens: int = 16,
-    *,
-    layer: int | None = None,
-    seed: int = 0,
-    dtype: torch.dtype | None = None,
-    online: str | None = None,
-    device: str | torch.device = "cpu",
-) -> dict:
-    """Build one MoE layer of a checkpoint, run it on random tokens, compare with the reference.
-
-    Routing comes from the checkpoint's own router; the reference is
-    ``moe_reference`` in float64 on the same (reference-layout) weights, plus the
-    shared experts in float64. Returns a dict of what happened (JSON-friendly
-    apart from nothing: every value is a str, int, float or bool).
-    """
-    t0 = time.perf_counter()
-    reader, fmt, arch = _open(path, dtype, online, device)
-    layer = arch.moe_layers[0] if layer is None else layer
-    kw = dict(backend=backend, parallel=None, device=device, platform=None, keep_reference=True)
-    moe = _build(reader, fmt, arch, layer, **kw)
-    load_s = time.perf_counter() - t0
-    cfg = moe.config
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, cfg.hidden_size, generator=g).to(device=device, dtype=cfg.dtype)
-    logits = router_logits(reader, fmt, arch, layer, x)
-    t1 = time.perf_counter()
-    with torch.no_grad():
-        out = moe(x, logits)
-    if out.is_cuda:
-        torch.cuda.synchronize()
-    forward_ms = (time.perf_counter() - t1) * 1e3
-    topk = moe.router.route(logits, moe.e_score_correction_bias)
-    ref = moe_reference(
-        x,
-        topk.ids,
-        topk.weights,
-        moe.reference_weights,
-        cfg,
-        moe.compute_scheme,
-        expert_map=moe.expert_map,
-        dtype=torch.float64,
-    )
-    if moe.shared_experts is not None:
-        ref = ref + moe.shared_experts.expert(x, torch.float64)
-    err, tol = rel_error(out, ref), tolerance(moe.compute_scheme, cfg.dtype)
-    return {
-        "checkpoint": path,
-        "model_type": arch.model_type,
-        "format": fmt.name,
-        "scheme": moe.scheme.name,
-        "compute_scheme": moe.compute_scheme.name,
-        "layer": layer,
-        "backend": moe.choice.backend,
-        "explain": moe.choice.explain(),
-        "config": repr(cfg),
-        "tokens": tokens,
-        "dtype": str(cfg.dtype).removeprefix("torch."),
-        "rel_error": err,
-        "tolerance": tol,
-        "passed": err <= tol,
-        "load_s": load_s,
-        "forward_ms": forward_ms,
-    }
+    return [build_layer(reader, fmt, arch, L, **kw) for L in (layers or arch.moe_layers)]

@@ -15,8 +15,9 @@ Tensors of each Linear by ``format`` (read from the installed library 0.20:
         weight            fp8 e4m3 or int8 [N, K]
         weight_scale      [1] (tensor), [N, 1] (channel), [N, G] (group), [ceil(N/bn), ceil(K/bk)] (block)
         input_scale       static activations
-    pack-quantized (int4)
+    pack-quantized (int4; int8 for W8A16)
         weight_packed     int32 [N, ceil(K/8)]   ``pack_to_int32``: code q + 8, element i at bits 4(i % 8)
+                          int32 [N, ceil(K/4)]   8 bits: code q + 128, element i at bits 8(i % 4)
         weight_scale      [N, G];  weight_shape int64 [2] = (N, K)
         weight_zero_point int32 [ceil(N/8), G]   asymmetric: zero + 8 packed along N (dim 0)
         weight_g_idx      int32 [K]              act-order "group" (older library versions)
@@ -35,6 +36,17 @@ convention. Symmetric int zero points are not stored (``_remove_symmetric_zp``);
 asymmetric ones are signed (``zero = bit_min - min / scale``) and packed with
 the same + 8 offset, which is exactly fusedmoe's unsigned zero code.
 
+Which scheme is a layer's: the config group whose ``targets`` match that
+layer's expert Linears (llm-compressor writes one group per distinct scheme,
+so a mixed per-layer recipe is several groups with layer-specific regexes).
+
+Refused, naming the scheme (checked on llm-compressor 0.14's presets):
+W4AFP8 (int4 weights stored as int8, dynamic fp8 activations), MXFP4 with
+MXFP4 activations and MXFP8 (``mxfp8-quantized``): fusedmoe computes int4 and
+MXFP4 weights only with model-dtype or MXFP8 activations, and MXFP8 is an
+activation format only. Loading them as weight-only would silently drop the
+activation quantization the model was calibrated with.
+
 Act-order ``"group"`` (a ``weight_g_idx`` per Linear) was removed from
 compressed-tensors (0.20 rejects it in ``QuantizationArgs``); configs that still
 say so are read by taking that flag off before parsing and keeping the g_idx.
@@ -49,17 +61,36 @@ import torch
 from ..errors import UnsupportedError, expect
 from ..quant import Granularity, QDtype, QuantScheme, TensorQuant, all_schemes
 from ..quant.int4 import unpack_compressed_tensors
-from .base import CheckpointFormat, CheckpointReader, check_tensor, scalar
+from .base import CheckpointFormat, CheckpointReader, check_tensor, require, scalar
 
 _EXPERT_PROBE = "model.layers.0.mlp.experts.0.gate_proj"
 _FORMATS = ("float-quantized", "int-quantized", "naive-quantized", "pack-quantized")
 _FORMATS += ("nvfp4-pack-quantized", "mxfp4-pack-quantized")
+# (weights, activations) dtypes fusedmoe has a backend for; the reason for the others
+_REFUSED = {
+    (QDtype.INT4, QDtype.FP8): "int4 weights with fp8 activations (W4AFP8): fusedmoe runs int4 weights "
+    "only with activations in the model dtype (W4A16)",
+    (QDtype.MXFP4, QDtype.MXFP4): "MXFP4 weights with MXFP4 activations (MXFP4): fusedmoe runs MXFP4 weights "
+    "with model-dtype or MXFP8 activations only",
+}
+
+
+def _refuse(w1: TensorQuant, a1: TensorQuant | None, fmt: str) -> None:
+    if fmt == "mxfp8-quantized":
+        raise UnsupportedError(
+            "compressed-tensors scheme MXFP8 (format 'mxfp8-quantized', MXFP8 weights): fusedmoe has MXFP8 "
+            "only as an activation format"
+        )
+    why = _REFUSED.get((w1.dtype, None if a1 is None else a1.dtype))
+    if why is not None:
+        raise UnsupportedError(f"compressed-tensors scheme {w1.short} x {a1.short}: {why}")
 
 
 def _qdtype(args, where: str) -> QDtype:
     kind, bits, g = args.type, args.num_bits, args.group_size
     if kind == "float" and bits == 8:
-        return QDtype.FP8
+        mx = g == 32 and "uint8" in str(getattr(args, "scale_dtype", ""))  # e8m0 scales stored as uint8
+        return QDtype.MXFP8 if mx else QDtype.FP8
     if kind == "int" and bits == 8:
         return QDtype.INT8
     if kind == "int" and bits == 4:
@@ -73,7 +104,7 @@ def _unsupported(where: str, args) -> QDtype:
     raise UnsupportedError(f"{where}: {args.type} {args.num_bits}-bit (group {args.group_size}) has no fusedmoe format")
 
 
-def _granularity(args, k: int, where: str) -> Granularity:
+def _granularity(args, k: int, where: str, inter: int = 0) -> Granularity:
     s = args.strategy
     if s == "tensor":
         return Granularity.tensor()
@@ -82,21 +113,38 @@ def _granularity(args, k: int, where: str) -> Granularity:
     if s == "token":
         return Granularity.token()
     if s in ("group", "tensor_group"):
+        if args.type == "int" and args.num_bits == 8:  # W8A16: fusedmoe's int8 weights are per channel
+            if args.group_size < k:
+                raise UnsupportedError(
+                    f"compressed-tensors scheme W8A16 (int8 weights in groups of {args.group_size} over K = {k}): "
+                    "fusedmoe's int8 weights take one scale per output channel (groups of K or more load)"
+                )
+            return Granularity.channel()
         return Granularity.group(args.group_size)
     if s == "block":
-        return Granularity.block(*args.block_structure)
+        bn, bk = args.block_structure
+        # gate and up are separate Linears: one W13 block grid needs I whole blocks of rows; an I
+        # smaller than a block is one (partial) block per Linear, which is a block of I rows
+        return Granularity.block(inter if 0 < inter < bn else bn, bk)
     raise UnsupportedError(f"{where}.strategy: {s!r} is not supported")
 
 
-def _tensor_quant(args, k: int, where: str, act_order: bool = False) -> TensorQuant:
+def _tensor_quant(args, k: int, where: str, act_order: bool = False, inter: int = 0) -> TensorQuant:
     dyn = args.dynamic
     return TensorQuant(
         _qdtype(args, where),
-        _granularity(args, k, where),
+        _granularity(args, k, where, inter),
         dynamic=bool(dyn) if not isinstance(dyn, str) else dyn in ("local", "true", "True"),
         symmetric=args.symmetric,
         act_order=act_order,
     )
+
+
+def _unpack_int8(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """``pack_to_int32`` with 8 bits: int32 [N, ceil(K/4)], element i at bits 8(i % 4), code q + 128."""
+    shifts = torch.arange(0, 32, 8, dtype=torch.int64, device=packed.device)
+    codes = (packed.to(torch.int64).unsqueeze(-1) >> shifts) & 0xFF
+    return (codes.flatten(-2)[:, :k] - 128).to(torch.int8)
 
 
 class CompressedTensorsFormat(CheckpointFormat):
@@ -105,8 +153,8 @@ class CompressedTensorsFormat(CheckpointFormat):
 
     @classmethod
     def from_config(cls, qc: dict) -> CompressedTensorsFormat:
+        require("compressed_tensors", "a compressed-tensors checkpoint (quant_method 'compressed-tensors')")
         from compressed_tensors.quantization import QuantizationConfig
-        from compressed_tensors.utils.match import match_name
 
         qc = copy.deepcopy(qc)
         act_order = False
@@ -117,26 +165,43 @@ class CompressedTensorsFormat(CheckpointFormat):
                 w.pop("actorder")
         fields = set(QuantizationConfig.model_fields)
         config = QuantizationConfig.model_validate({k: v for k, v in qc.items() if k in fields})
-        schemes = list(config.config_groups.values())
-        hits = [s for s in schemes if any(t == "Linear" or match_name(_EXPERT_PROBE, t) for t in s.targets)]
-        expect(len(hits) >= 1, "quantization_config.config_groups", "a scheme targeting the experts' Linear modules")
+        fmt = cls(QuantScheme.unquantized(), qc)
+        fmt.ct_config, fmt.act_order = config, act_order
+        return fmt.for_module(_EXPERT_PROBE)
+
+    def for_module(self, path: str, hidden: int = 0, intermediate: int = 0) -> CompressedTensorsFormat:
+        """This format with the config group whose targets match the expert Linear at ``path``."""
+        from compressed_tensors.utils.match import match_name
+
+        schemes = list(self.ct_config.config_groups.values())
+        hits = [s for s in schemes if any(t == "Linear" or match_name(path, t) for t in s.targets)]
+        expect(len(hits) >= 1, "quantization_config.config_groups", f"a scheme whose targets match '{path}'")
         narrow = [s for s in hits if any(t != "Linear" for t in s.targets)]
         scheme = (narrow or hits)[0]
         expect(scheme.weights is not None, "quantization_config config_groups weights", "quantized expert weights")
-        fmt = cls(QuantScheme.unquantized(), qc)
-        fmt.ct_config, fmt.ct_scheme, fmt.act_order = config, scheme, act_order
-        fmt.format = scheme.format or config.format
-        expect(fmt.format in _FORMATS, "quantization_config.format", f"one of {_FORMATS}", fmt.format)
-        fmt.scheme = fmt.layer_scheme(0, 0)
+        fmt = copy.copy(self)
+        fmt.ct_scheme, fmt.format = scheme, scheme.format or self.ct_config.format
+        expect(
+            fmt.format in _FORMATS + ("mxfp8-quantized",),
+            "quantization_config.format",
+            f"one of {_FORMATS}",
+            fmt.format,
+        )
+        fmt.scheme = fmt.layer_scheme(hidden, intermediate)
         return fmt
+
+    def for_layer(self, where, hidden: int, intermediate: int) -> CompressedTensorsFormat:
+        first = next(iter(where.linears.values()))[0][1] if where.linears else where.experts_path
+        return self.for_module(first, hidden, intermediate)
 
     def layer_scheme(self, hidden: int, intermediate: int) -> QuantScheme:
         """fusedmoe's scheme for the expert scheme; a named one where it is the same."""
         w, a = self.ct_scheme.weights, self.ct_scheme.input_activations
         where = "compressed-tensors weights"
-        w1 = _tensor_quant(w, hidden or 128, where, self.act_order)
-        w2 = _tensor_quant(w, intermediate or 128, where, self.act_order)
+        w1 = _tensor_quant(w, hidden or 128, where, self.act_order, intermediate)
+        w2 = _tensor_quant(w, intermediate or 128, where, self.act_order, intermediate)
         a1 = a2 = None if a is None else _tensor_quant(a, 0, "compressed-tensors input_activations")
+        _refuse(w1, a1, self.format)
         for s in all_schemes():
             if (s.a1, s.w1, s.a2, s.w2) == (a1, w1, a2, w2):
                 return s
@@ -173,9 +238,15 @@ class CompressedTensorsFormat(CheckpointFormat):
         shape = reader.get(shname, f"the logical shape of {pname}")
         expect(shape.numel() == 2, f"checkpoint tensor '{shname}'", "2 values (N, K)", tuple(shape.shape))
         n, k = (int(v) for v in shape.tolist())
-        check_tensor(packed, pname, shape=(n, -(-k // 8)))
         w1 = self.scheme.w1
+        per_word = 32 // w1.dtype.bits
+        check_tensor(packed, pname, shape=(n, -(-k // per_word)))
         g = w1.granularity.group_size if w1.granularity.kind == "group" else k
+        if w1.dtype is QDtype.INT8:
+            s = reader.get(sname, f"the scales of {pname}")
+            s = check_tensor(s, sname, shape=w1.granularity.scale_shape(n, k))
+            expect(w1.symmetric, f"checkpoint tensor '{path}.weight_zero_point'", "absent (symmetric 8-bit only)")
+            return {"weight": _unpack_int8(packed, k), "weight_scale": s.float()}
         scale = check_tensor(reader.get(sname, f"the scales of {pname}"), sname, shape=(n, -(-k // g)))
         zname, gname = f"{path}.weight_zero_point", f"{path}.weight_g_idx"
         zero = None

@@ -19,6 +19,20 @@ computes ``weight.to(dtype) * scale`` block by block, and DeepSeek-V3's
 ``weight_dequant`` kernel does ``y = x * s``. (It is the inverse of the
 quantization multiplier 448/amax.) Blocks at the edges may be partial.
 
+transformers' own FP8 save of a MoE model (``FineGrainedFP8Config``, 5.24:
+its ``FP8Experts`` module holds fused scales and the save writes per-expert
+weights beside them)::
+
+    {block}.experts.{e}.w1/w3/w2.weight     float8_e4m3fn [N, K] (gate_proj/up_proj/down_proj names
+                                            for models other than Mixtral)
+    {block}.experts.gate_up_proj_scale_inv  fp32 [E, ceil(2I/bn), ceil(H/bk)]  gate rows then up rows
+    {block}.experts.down_proj_scale_inv     fp32 [E, ceil(H/bn), ceil(I/bk)]
+    (no blocks: [E, 1, 1], one scale for gate and up together)
+
+The gate rows' scales are the first I/bn rows of the fused scale: unambiguous
+when I is a whole number of blocks (or without blocks); otherwise one block
+straddles gate and up, and the checkpoint is refused with that reason.
+
 Scheme: blocks -> fp8_block(bn, bk) (activations dynamic per 1 x bk group);
 no blocks -> fp8 per-tensor with dynamic or static activation scales. W1 and
 W3 carry their own per-tensor scales; the layer requantizes both to the
@@ -33,6 +47,18 @@ from ..errors import UnsupportedError, expect
 from ..quant import QuantScheme
 from ..quant.fp4 import e8m0_decode
 from .base import CheckpointFormat, CheckpointReader, check_tensor, scalar
+from .layout import expert_of
+
+
+def _fused_rows(scale: torch.Tensor, shard: str, n: int, bn: int, name: str) -> torch.Tensor:
+    """The rows of a gate_up fused scale [ceil(2I/bn), G] that belong to ``shard`` (I = n rows)."""
+    if scale.shape[0] == 1 and shard != "w2":  # one scale for gate and up (no blocks)
+        return scale
+    if shard == "w2":
+        return scale
+    expect(n % bn == 0, f"checkpoint tensor '{name}'", f"I = {n} a multiple of the block {bn} (gate/up boundary)")
+    rows = n // bn
+    return scale[:rows] if shard == "w1" else scale[rows : 2 * rows]
 
 
 class Fp8Format(CheckpointFormat):
@@ -68,7 +94,7 @@ class Fp8Format(CheckpointFormat):
         sname = f"{path}.weight_scale_inv"
         if not reader.has(sname) and gran.kind == "tensor":
             sname = f"{path}.weight_scale"
-        s = reader.get(sname, f"the scale of {wname}")
+        s = reader.get(sname, f"the scale of {wname}") if reader.has(sname) else self._fused_scale(reader, path, n)
         if s.dtype == torch.float8_e8m0fnu:
             s = e8m0_decode(s)
         if gran.kind == "block":
@@ -81,3 +107,15 @@ class Fp8Format(CheckpointFormat):
             iname = f"{path}.input_scale" if reader.has(f"{path}.input_scale") else f"{path}.activation_scale"
             out["input_scale"] = scalar(reader.get(iname, f"the static activation scale of {wname}"), iname)
         return out
+
+    def _fused_scale(self, reader: CheckpointReader, path: str, n: int) -> torch.Tensor:
+        """Expert ``path``'s scale from transformers' fused ``{experts}.{gate_up,down}_proj_scale_inv``."""
+        hit = expert_of(path)
+        if hit is None:
+            return reader.get(f"{path}.weight_scale_inv", f"the scale of {path}.weight")
+        experts, e, shard = hit
+        name = f"{experts}.{'down_proj' if shard == 'w2' else 'gate_up_proj'}_scale_inv"
+        fused = check_tensor(reader.get(name, f"the scale of {path}.weight"), name, dims=3)
+        gran = self.scheme.w1.granularity
+        bn = gran.block_n if gran.kind == "block" else n
+        return _fused_rows(fused[e], shard, n, bn, name)

@@ -1,12 +1,12 @@
-"""Where a model keeps its MoE layers, read from config.json (``model_type``).
+"""What a model's MoE layers compute, read from config.json (``model_type``).
 
-For each supported family: which decoder layers are MoE, the module path of
-the block and of its experts, the expert Linear names (Mixtral's w1/w3/w2,
-everyone else's gate/up/down_proj, gpt-oss's fused tensors), the router
-(weight, bias, DeepSeek-V3 correction bias) and routing semantics (the same
-ones ``integrations.hf_blocks`` reads from live transformers modules), and
-the shared experts. Names are those transformers' ``save_pretrained`` writes
-(5.23) and the hub checkpoints use.
+For each supported family: which decoder layers are MoE, the shapes and
+activation, the routing semantics (the same ones ``integrations.hf_blocks``
+reads from live transformers modules: softmax or sigmoid, renormalization,
+groups, DeepSeek-V3's correction bias) and the shared experts' module names
+under the block. Where the expert tensors are is not kept here: ``layout``
+finds them from the checkpoint's own tensor names, which differ between the
+tools that write them.
 """
 
 from __future__ import annotations
@@ -30,20 +30,12 @@ class MoEArch:
     model_type: str
     num_layers: int
     moe_layers: tuple[int, ...]
-    block: str  # format string with {layer}
     config: MoEConfig  # full (unsharded) intermediate size
     router: RouterConfig
-    expert_names: tuple[tuple[str, str], ...] = (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))
-    fused_experts: bool = False
-    router_name: str = "gate"
-    router_bias: bool = False
     router_fp32: bool = False  # DeepSeek computes router logits in float32
     correction_bias: bool = False
     shared_expert: str | None = None  # module path under the block
     shared_gate: str | None = None  # Qwen2-MoE: sigmoid gate of the shared expert
-
-    def block_path(self, layer: int) -> str:
-        return self.block.format(layer=layer)
 
 
 def _get(cfg: dict, *names, default=None):
@@ -75,10 +67,8 @@ def describe(cfg: dict, dtype: torch.dtype | None = None) -> MoEArch:
             mt,
             n,
             tuple(range(n)),
-            "model.layers.{layer}.block_sparse_moe",
             MoEConfig(e, k, h, i, activation=_activation(cfg), dtype=dt),
             RouterConfig(e, k, renormalize=True),
-            expert_names=(("w1", "w1"), ("w3", "w3"), ("w2", "w2")),
         )
     if mt in ("qwen2_moe", "qwen3_moe", "olmoe"):
         e, k = _get(cfg, "num_experts", "num_local_experts"), _get(cfg, "num_experts_per_tok")
@@ -90,7 +80,6 @@ def describe(cfg: dict, dtype: torch.dtype | None = None) -> MoEArch:
             mt,
             n,
             layers,
-            "model.layers.{layer}.mlp",
             MoEConfig(e, k, h, i, activation=_activation(cfg), dtype=dt),
             RouterConfig(e, k, renormalize=bool(cfg.get("norm_topk_prob", False))),
             shared_expert="shared_expert" if shared else None,
@@ -116,7 +105,6 @@ def describe(cfg: dict, dtype: torch.dtype | None = None) -> MoEArch:
             mt,
             n,
             layers,
-            "model.layers.{layer}.mlp",
             MoEConfig(e, k, h, i, activation=_activation(cfg), dtype=dt),
             router,
             router_fp32=True,
@@ -140,12 +128,8 @@ def describe(cfg: dict, dtype: torch.dtype | None = None) -> MoEArch:
             mt,
             n,
             tuple(range(n)),
-            "model.layers.{layer}.mlp",
             config,
             RouterConfig(e, k, renormalize=True),
-            fused_experts=True,
-            router_name="router",
-            router_bias=True,
         )
     supported = ["deepseek_v2", "deepseek_v3", "gpt_oss", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe"]
     expect(False, "config.json model_type", f"one of {supported}", mt)
