@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+# Test files share helpers across folders (test_kernels_gemm's operands, test_hf_models' tiny
+# models): every test folder is importable by module name, whichever file pytest collects first.
+for _d in sorted(Path(__file__).parent.iterdir()):
+    if _d.is_dir() and not _d.name.startswith((".", "_")) and _d.name != "fixtures" and str(_d) not in sys.path:
+        sys.path.append(str(_d))
 
 HAS_CUDA = torch.cuda.is_available()
 
