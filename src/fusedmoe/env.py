@@ -18,6 +18,7 @@ on a per-launch path that runs more than once per call.
 | FUSEDMOE_FUSED_ROUTING | the one-launch routing kernel on CUDA | a boolean (default on) |
 | FUSEDMOE_LAUNCH_CONFIG | pin one grouped-GEMM launch config | ``BM,BN,BK,GROUP_M,WARPS,STAGES`` |
 | FUSEDMOE_CONFIG_DIR | a folder of tuned configs searched first | a path |
+| FUSEDMOE_FAST_LAUNCH | launch known kernels through their binary's launcher (``kernels.launch``) | a boolean (default on) |
 
 Booleans accept 1/true/yes/on and 0/false/no/off (any case); an empty value is the default.
 """
@@ -36,6 +37,7 @@ CHECK_VALUES = "FUSEDMOE_CHECK_VALUES"
 FUSE_ACT = "FUSEDMOE_FUSE_ACT"
 FUSED_ROUTING = "FUSEDMOE_FUSED_ROUTING"
 LAUNCH_CONFIG = "FUSEDMOE_LAUNCH_CONFIG"
+FAST_LAUNCH = "FUSEDMOE_FAST_LAUNCH"
 CONFIG_DIR = "FUSEDMOE_CONFIG_DIR"
 
 _TRUE = ("1", "true", "yes", "on")
@@ -121,6 +123,11 @@ def fuse_act() -> bool:
 def fused_routing() -> bool:
     """``FUSEDMOE_FUSED_ROUTING`` (default on)."""
     return flag(FUSED_ROUTING, default=True)
+
+
+def fast_launch() -> bool:
+    """``FUSEDMOE_FAST_LAUNCH`` (default on)."""
+    return flag(FAST_LAUNCH, default=True)
 
 
 def chunk_size() -> int | None:

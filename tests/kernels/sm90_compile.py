@@ -81,34 +81,30 @@ CASES = [
 
 
 class _Compiler:
-    """Stands in for the jit kernel: compiles each launch for sm_90 and keeps what it found."""
+    """A launch interceptor (``kernels.launch.intercept_launches``): compiles each launch for sm_90
+    instead of running it, and keeps what it found."""
 
-    def __init__(self, kernel) -> None:
+    def __init__(self) -> None:
         import triton
         from triton.backends.compiler import GPUTarget
         from triton.backends.nvidia.compiler import CUDABackend
 
-        self.kernel = kernel
         self.target = GPUTarget("cuda", 90, 32)
         self.backend = CUDABackend(self.target)
         self.bin = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
         self.found: dict = {}
 
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            import triton
-            from triton.compiler import ASTSource
-            from triton.runtime.jit import create_function_from_signature
+    def __call__(self, k, grid, args, kwargs) -> None:
+        import triton
+        from triton.compiler import ASTSource
+        from triton.runtime.jit import create_function_from_signature
 
-            k = self.kernel
-            kwargs = {"debug": False, **kwargs}
-            binder = create_function_from_signature(k.signature, k.params, self.backend)
-            bound, spec, opts = binder(*args, **kwargs)
-            options, sig, consts, attrs = k._pack_args(self.backend, kwargs, bound, spec, opts)
-            compiled = triton.compile(ASTSource(k, sig, consts, attrs), target=self.target, options=options.__dict__)
-            self.found = self.inspect(compiled)
-
-        return launch
+        kwargs = {"debug": False, **kwargs}
+        binder = create_function_from_signature(k.signature, k.params, self.backend)
+        bound, spec, opts = binder(*args, **kwargs)
+        options, sig, consts, attrs = k._pack_args(self.backend, kwargs, bound, spec, opts)
+        compiled = triton.compile(ASTSource(k, sig, consts, attrs), target=self.target, options=options.__dict__)
+        self.found = self.inspect(compiled)
 
     def inspect(self, compiled) -> dict:
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -188,19 +184,22 @@ def _operands(case: Case):
     return Operand(qa, sch.a1), Operand(wq, sch.w1), c, fmt, cfg, kw
 
 
+_COMPILER: dict = {}
+
+
 def compile_case(case: Case) -> dict:
     import fusedmoe.kernels.grouped_gemm_persistent as gp
+    from fusedmoe.kernels.launch import intercept_launches
     from fusedmoe.platform import Platform
 
-    gp.current_platform = lambda: Platform.simulated("sm90")  # supports() asks for sm90+
-    if not isinstance(gp._persistent_gemm_kernel, _Compiler):
-        gp._persistent_gemm_kernel = _Compiler(gp._persistent_gemm_kernel)
-    comp = gp._persistent_gemm_kernel
+    gp.current_platform = lambda: Platform.simulated("sm90")  # supports() asks for sm90+ (no GPU here)
+    comp = _COMPILER.get("c") or _COMPILER.setdefault("c", _Compiler())
     t0 = time.time()
     try:
         a, w, c, fmt, cfg, kw = _operands(case)
         comp.found = {}
-        gp.persistent_gemm_launch(a, w, c, fmt, cfg, **kw)
+        with intercept_launches(comp):
+            gp.persistent_gemm_launch(a, w, c, fmt, cfg, **kw)
         res = {"ok": bool(comp.found), **comp.found}
     except Exception as exc:
         res = {"ok": False, "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"}

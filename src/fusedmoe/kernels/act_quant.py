@@ -26,6 +26,7 @@ from ..errors import expect
 from ..quant import QDtype, QTensor, TensorQuant, quantize
 from ._act_quant import _act_quant_kernel
 from ._common import interpreting
+from .launch import launch
 
 _QUANT = {QDtype.FP8: "fp8", QDtype.INT8: "int8", QDtype.MXFP8: "mxfp8", QDtype.NVFP4: "nvfp4"}
 _NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -151,8 +152,8 @@ def act_quant_launch(
             num_warps=4,
         )
         if kind == "tensor_dyn":
-            _act_quant_kernel[grid](*args, PASS=1, **meta)
-        _act_quant_kernel[grid](*args, PASS=2, **meta)
+            launch(_act_quant_kernel, grid, *args, PASS=1, **meta)
+        launch(_act_quant_kernel, grid, *args, PASS=2, **meta)
     if quant == "none":
         return data
     return QTensor(

@@ -25,6 +25,7 @@ from ..errors import expect
 from ..metadata import AlignedRouting
 from ._align import _align_count_kernel, _align_offsets_kernel, _align_one_kernel, _align_scatter_kernel
 from ._common import interpreting
+from .launch import launch
 
 # Pairs per program of the count and scatter kernels. 1024 keeps the sort of one chunk
 # in registers with 4 warps; a decode step (T*K <= 64 x 8) uses one small chunk, and so
@@ -82,7 +83,9 @@ def moe_align_launch(
     chunk_base = torch.empty(num_chunks, bins, dtype=torch.int32, device=dev)  # the one kernel's scratch too
 
     if one_launch:
-        _align_one_kernel[(1,)](
+        launch(
+            _align_one_kernel,
+            (1,),
             ids,
             emap,
             chunk_base,
@@ -106,7 +109,9 @@ def moe_align_launch(
         return AlignedRouting(sorted_ids, block_expert, num_padded, expert_counts, block_m, num_pairs)
 
     chunk_counts = torch.empty(num_chunks, bins, dtype=torch.int32, device=dev)
-    _align_count_kernel[(num_chunks,)](
+    launch(
+        _align_count_kernel,
+        (num_chunks,),
         ids,
         emap,
         chunk_counts,
@@ -121,7 +126,9 @@ def moe_align_launch(
         FILL=_FILL,
         num_warps=4,
     )
-    _align_offsets_kernel[(1,)](
+    launch(
+        _align_offsets_kernel,
+        (1,),
         chunk_counts,
         chunk_base,
         expert_counts,
@@ -135,7 +142,9 @@ def moe_align_launch(
         BLOCK_B=_BLOCK_B,
         num_warps=4,
     )
-    _align_scatter_kernel[(num_chunks,)](
+    launch(
+        _align_scatter_kernel,
+        (num_chunks,),
         ids,
         emap,
         chunk_base,

@@ -52,6 +52,7 @@ from . import grouped_gemm_persistent as _persistent
 from ._common import interpreting
 from ._grouped_gemm import _grouped_gemm_kernel
 from .gemm_format import _OUT_QUANT, _TL_DTYPE, ActEpilogue, GemmFormat, _strides, _u8, scheme_key
+from .launch import launch
 from .launch_config import LaunchConfig, fit_launch_config, gated_act_config, pick_launch_config
 
 
@@ -142,7 +143,9 @@ def grouped_gemm_launch(
         dot_dtype = tl.bfloat16  # dequantized e4m3/e2m1 x power-of-2 values are exact in bf16
 
     grid = (num_m_blocks * triton.cdiv(n, cfg.block_n),)
-    _grouped_gemm_kernel[grid](
+    launch(
+        _grouped_gemm_kernel,
+        grid,
         _u8(a),
         dummy if a_scale is None else a_scale,
         dummy if ag is None else ag,

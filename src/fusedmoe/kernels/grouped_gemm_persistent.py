@@ -48,6 +48,7 @@ from ..quant import Operand, QDtype, QTensor, TensorQuant
 from ._common import interpreting
 from ._grouped_gemm_persistent import _persistent_gemm_kernel
 from .gemm_format import _OUT_QUANT, ActEpilogue, GemmFormat, _strides, _u8
+from .launch import launch
 from .launch_config import LaunchConfig
 
 _FLOAT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -307,7 +308,9 @@ def persistent_gemm_launch(
     dummy = c_arg
     _ensure_allocator()
     grid = (_num_programs(num_m_blocks * triton.cdiv(n, cfg.block_n)),)
-    _persistent_gemm_kernel[grid](
+    launch(
+        _persistent_gemm_kernel,
+        grid,
         a if a_sorted else _u8(a),  # descriptors typed (kernel docstring), pointer loads uint8
         dummy if a_scale is None else a_scale,
         w.data,

@@ -15,6 +15,7 @@ import triton.language as tl
 
 from ..errors import expect
 from ._common import interpreting
+from .launch import launch
 
 
 @triton.jit
@@ -68,7 +69,9 @@ def moe_sum_launch(
     bt, bh = (16, 128) if interpreting() else (4, 256)
     grid = (triton.cdiv(t, bt), triton.cdiv(h, bh))
     ids = topk_ids.contiguous() if has_map else c
-    _moe_sum_kernel[grid](
+    launch(
+        _moe_sum_kernel,
+        grid,
         c,
         out,
         ids,

@@ -29,6 +29,7 @@ from ..errors import expect
 from ..metadata import TopK
 from ._common import interpreting
 from ._route import _route_kernel
+from .launch import launch
 
 __all__ = ["MAX_EXPERTS", "fused_route", "route_launch", "router_args", "unsupported_reason"]
 
@@ -120,7 +121,9 @@ def route_launch(
     if rows is not None:
         expect(rows > 0 and rows & (rows - 1) == 0, "rows", "a power of 2", rows)
         r = rows
-    _route_kernel[(triton.cdiv(t, r),)](
+    launch(
+        _route_kernel,
+        (triton.cdiv(t, r),),
         logits,
         bias if has_bias else logits,  # any pointer; never read
         ids,

@@ -26,6 +26,7 @@ import triton
 
 from ._common import interpreting
 from ._rows import _gather_sum_kernel, _rank_rows_kernel, _scatter_rows_kernel
+from .launch import launch
 
 _WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
 
@@ -80,7 +81,9 @@ def rank_rows_launch(
     counts = torch.empty(world, dtype=torch.int64, device=ids.device)
     # one program scans the tokens (a running count per rank), 128 tokens a step on a GPU
     bt = 64 if interpreting() else 128
-    _rank_rows_kernel[(1,)](
+    launch(
+        _rank_rows_kernel,
+        (1,),
         ids,
         owner,
         dest,
@@ -136,7 +139,9 @@ def scatter_rows_launch(src: torch.Tensor, idx: torch.Tensor, dst: torch.Tensor)
         return dst
     bn, bd = _blocks(d)
     grid = (triton.cdiv(n, bn), triton.cdiv(d, bd))
-    _scatter_rows_kernel[grid](
+    launch(
+        _scatter_rows_kernel,
+        grid,
         src,
         idx,
         dst,
@@ -197,7 +202,9 @@ def gather_sum_launch(
     bn, bh = _blocks(h)
     grid = (triton.cdiv(n, bn), triton.cdiv(h, bh))
     w = weights if weights is not None else idx
-    _gather_sum_kernel[grid](
+    launch(
+        _gather_sum_kernel,
+        grid,
         src,
         idx,
         w,

@@ -1,0 +1,132 @@
+"""``launch``: a jit kernel launched for the price of its driver call, once it has run.
+
+    launch(kernel, grid, *args, num_warps=4, num_stages=3, **constexprs)
+      ==  kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **constexprs)
+
+Why: ``JITFunction.run`` spends its time before the launch: it binds every argument into a
+dict, specialises each, builds a cache key (``str`` of the options dict), looks the binary up,
+checks the globals the kernel reads, and asks for launch metadata. On the H100 host this was
+~40 us per launch under cProfile for the grouped GEMM's ~70 arguments (2,500 launches: 0.228 s
+in ``JITFunction.run``; 2026-11-25), against ~10 us in the driver call itself. An eager MoE layer
+launches 4-9 kernels, so this was the largest part of a decode call's host time.
+
+How: the first launch of a *key* goes through ``kernel[grid]`` (which compiles or loads the binary
+and returns it); later launches of the same key call the binary's launcher directly. The key holds
+everything Triton specialises on: the constexpr values, num_warps/num_stages, the device, and for
+each runtime argument what Triton's specialisation distinguishes (a tensor's dtype and whether its
+address is 16-byte aligned; an int equal to 1, divisible by 16, and its width; floats, bools and
+None by type). The key is as fine as Triton's or finer, so a hit always reuses the binary Triton
+itself would have chosen.
+
+Falls back to ``kernel[grid]`` under the interpreter, while a launch hook is set (profilers), and
+for an argument type it does not know. ``FUSEDMOE_FAST_LAUNCH=0`` turns the fast path off.
+Interceptors (``intercept_launches``) see every launch, fast or not (the tuner records what it
+would compile).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+from triton import knobs
+
+from .. import env
+from ._common import interpreting
+
+_I32 = (-(2**31), 2**31 - 1)
+_CACHE: dict[tuple, tuple] = {}
+_ORDER: dict[object, tuple] = {}  # kernel -> (constexpr names in signature order, #runtime args)
+_INTERCEPTORS: list[Callable] = []
+
+
+def _spec(v) -> object:
+    """What Triton's specialisation distinguishes about one runtime argument (or a sentinel that
+    makes the launch take the slow path)."""
+    t = type(v)
+    if t is int:
+        if v == 1:
+            return 1
+        return (v % 16 == 0, 0 if _I32[0] <= v <= _I32[1] else (1 if v < 2**63 else 2))
+    if t is torch.Tensor or t is torch.nn.Parameter:
+        return (v.dtype, v.data_ptr() % 16 == 0)
+    if v is None:
+        return None
+    if t is float:
+        return "f"
+    if t is bool:
+        return ("b", v)
+    raise _Unknown
+
+
+class _Unknown(Exception):
+    pass
+
+
+def _order(kernel) -> tuple:
+    """(constexpr parameter names in signature order, number of leading runtime parameters), or
+    None when constexprs and runtime parameters interleave (the fast path then never applies)."""
+    got = _ORDER.get(kernel)
+    if got is None:
+        params = kernel.params
+        n_rt = sum(1 for p in params if not p.is_constexpr)
+        tail_ok = all(p.is_constexpr for p in params[n_rt:])
+        got = (tuple(p.name for p in params[n_rt:]), n_rt) if tail_ok else ((), -1)
+        _ORDER[kernel] = got
+    return got
+
+
+@contextlib.contextmanager
+def intercept_launches(fn: Callable) -> Iterator[None]:
+    """While active, every ``launch`` calls ``fn(kernel, grid, args, kwargs)`` instead of launching
+    (``fn`` may launch itself with ``kernel[grid](*args, **kwargs)``). For tools (the tuner records
+    and pre-compiles what a launch would compile); nested interceptors: the innermost wins."""
+    _INTERCEPTORS.append(fn)
+    try:
+        yield
+    finally:
+        _INTERCEPTORS.pop()
+
+
+def launch(kernel, grid: tuple, *args, num_warps: int = 4, num_stages: int = 3, **constexprs) -> None:
+    """``kernel[grid](*args, num_warps=..., num_stages=..., **constexprs)`` (module docstring)."""
+    if _INTERCEPTORS:
+        _INTERCEPTORS[-1](kernel, grid, args, dict(constexprs, num_warps=num_warps, num_stages=num_stages))
+        return
+    if interpreting() or not env.fast_launch():
+        kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **constexprs)
+        return
+    names, n_rt = _order(kernel)
+    try:
+        if n_rt != len(args) or len(names) != len(constexprs):
+            raise _Unknown
+        cvals = tuple(constexprs[n] for n in names)
+        device = torch.cuda.current_device()
+        key = (kernel, device, num_warps, num_stages, cvals, tuple(map(_spec, args)))
+    except (_Unknown, KeyError):
+        kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **constexprs)
+        return
+    hit = _CACHE.get(key)
+    if hit is None or _hooked():
+        compiled = kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **constexprs)
+        if compiled is not None and hasattr(compiled, "packed_metadata"):
+            _CACHE[key] = (compiled.run, compiled.function, compiled.packed_metadata)
+        return
+    run, function, packed = hit
+    g1 = grid[1] if len(grid) > 1 else 1
+    g2 = grid[2] if len(grid) > 2 else 1
+    run(grid[0], g1, g2, _raw_stream(device), function, packed, None, None, None, *args, *cvals)
+
+
+_raw_stream = torch._C._cuda_getCurrentRawStream if torch.cuda.is_available() else None
+
+
+def _hooked() -> bool:
+    """A launch hook (a profiler) is set: launches keep Triton's path, which calls it."""
+    return knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None
+
+
+def clear_cache() -> None:
+    """Forget the binaries found so far (tests)."""
+    _CACHE.clear()
