@@ -52,7 +52,14 @@ from ..metadata import AlignedRouting
 from ..quant import Operand, QDtype, TensorQuant, dequantize, fake_quantize, quantize
 from ._common import interpreting
 from ._grouped_gemm import _grouped_gemm_kernel
-from .launch_config import LaunchConfig, fit_launch_config, gated_act_config, pick_launch_config
+from .launch_config import (
+    _INTERCEPT,
+    LaunchConfig,
+    fit_launch_config,
+    gated_act_config,
+    intercepted,
+    pick_launch_config,
+)
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 _A_FORMATS = {QDtype.FP8: "fp8", QDtype.INT8: "int8", QDtype.MXFP8: "mxfp8", QDtype.NVFP4: "nvfp4"}
@@ -285,7 +292,8 @@ def grouped_gemm_launch(
         dot_dtype = tl.bfloat16  # dequantized e4m3/e2m1 x power-of-2 values are exact in bf16
 
     grid = (num_m_blocks * triton.cdiv(n, cfg.block_n),)
-    _grouped_gemm_kernel[grid](
+    kernel = intercepted(_grouped_gemm_kernel, grid) if _INTERCEPT else _grouped_gemm_kernel[grid]
+    kernel(
         _u8(a),
         dummy if a_scale is None else a_scale,
         dummy if ag is None else ag,
