@@ -116,6 +116,7 @@ def _cmd_bench(args) -> int:
 
         return launch(args.out, args.ep_args, args.nproc)
     from .tools.bench import run_bench
+    from .tools.peers import load_peers
 
     tokens = [int(t) for t in args.tokens.split(",")]
     run_bench(
@@ -126,6 +127,7 @@ def _cmd_bench(args) -> int:
         providers=tuple(args.providers.split(",")),
         graph=not args.eager,
         parts=not args.no_parts,
+        peers=load_peers(args.peers),
     )
     return 0
 
@@ -218,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--providers", default="fusedmoe,grouped_mm,torch_grouped_mm,loop")
     b.add_argument("--eager", action="store_true", help="time eager calls instead of CUDA-graph replays")
     b.add_argument("--no-parts", action="store_true", help="skip the per-kernel breakdown")
+    b.add_argument("--peers", help="peer times JSON (default: the repo's benchmarks/peers/ one; 'none': no peers)")
     b.add_argument("--out", default=None)
     b.add_argument("--ep", action="store_true", help="expert parallelism on every GPU here (fusedmoe.tools.bench_ep)")
     b.add_argument("--ep-args", default="", help='with --ep: options of fusedmoe.tools.bench_ep, e.g. "--tokens 128"')

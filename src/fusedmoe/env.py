@@ -18,7 +18,7 @@ on a per-launch path that runs more than once per call.
 | FUSEDMOE_FUSED_ROUTING | the one-launch routing kernel on CUDA | a boolean (default on) |
 | FUSEDMOE_LAUNCH_CONFIG | pin one grouped-GEMM launch config | ``BM,BN,BK,GROUP_M,WARPS,STAGES`` |
 | FUSEDMOE_CONFIG_DIR | a folder of tuned configs searched first | a path |
-| FUSEDMOE_FAST_LAUNCH | launch known kernels through their binary's launcher (``kernels.launch``) | a boolean (default on) |
+| FUSEDMOE_FAST_LAUNCH | known kernels launched by their binary (``kernels.launch``) | a boolean (default on) |
 
 Booleans accept 1/true/yes/on and 0/false/no/off (any case); an empty value is the default.
 """

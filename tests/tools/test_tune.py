@@ -12,13 +12,14 @@ import pytest
 import torch
 
 from fusedmoe import cli, env
-from fusedmoe.kernels import tuned_configs
+from fusedmoe.kernels import launch, tuned_configs
+from fusedmoe.kernels._common import interpreting
 from fusedmoe.kernels.launch_config import LaunchConfig, pick_launch_config
 from fusedmoe.quant import QuantScheme
 from fusedmoe.testing import random_topk
-from fusedmoe.tools import tune
 from fusedmoe.tools.presets import PRESETS, preset_config
-from fusedmoe.tools.tune import Combo, candidates, tune_many
+from fusedmoe.tools.tune import Combo, candidates, operands, pool, probe, report, space, tune_many
+from fusedmoe.tools.tune import run as runner
 
 TINY = {
     "tiny-a": dict(num_experts=4, top_k=2, hidden_size=64, intermediate_size=32),
@@ -50,7 +51,9 @@ def test_candidates_keep_small_tiles_for_decode():
         pinned
         and {c.block_m for c in pinned} == {1}
         and len(pinned)
-        == len(tune.DECODE_SPACE["block_n"]) * len(tune.DECODE_SPACE["block_k"]) * len(tune.DECODE_SPACE["num_stages"])
+        == len(space.DECODE_SPACE["block_n"])
+        * len(space.DECODE_SPACE["block_k"])
+        * len(space.DECODE_SPACE["num_stages"])
     )
     assert {c.block_m for c in candidates("quick", 8, 64, block_m=16)} == {16}
     assert any(c.block_m == 128 for c in candidates("quick", 64 * 512, 64))
@@ -64,16 +67,16 @@ def test_group_m_only_where_an_expert_has_several_tiles():
 
 
 def test_combos_whose_scheme_cannot_store_the_shape_are_refused_with_the_reason():
-    kept, refused = tune._storable([Combo("gpt-oss-20b", "int4_g128"), Combo("gpt-oss-20b", "mxfp4")])
+    kept, refused = operands.storable([Combo("gpt-oss-20b", "int4_g128"), Combo("gpt-oss-20b", "mxfp4")])
     assert [c.scheme for c in kept] == ["mxfp4"]  # H = I = 2880: 90 groups of 32, 22.5 of 128
     assert len(refused) == 1 and "gpt-oss-20b int4_g128" in refused[0] and "group size 128" in refused[0]
     with pytest.raises(Exception, match="scheme"):
-        tune._storable([Combo("gpt-oss-20b", "no_such_scheme")])
+        operands.storable([Combo("gpt-oss-20b", "no_such_scheme")])
 
 
 def test_steps_interleave_so_gemm2_compiles_during_the_next_gemm1():
-    assert tune._steps([1, 8, 16]) == [("w13", 1), ("w13", 8), ("w2", 1), ("w13", 16), ("w2", 8), ("w2", 16)]
-    assert tune.parse_presets("all") == list(tune.ALL_PRESETS)
+    assert runner._steps([1, 8, 16]) == [("w13", 1), ("w13", 8), ("w2", 1), ("w13", 16), ("w2", 8), ("w2", 16)]
+    assert space.parse_presets("all") == list(space.ALL_PRESETS)
 
 
 # ---- one CLI call: two presets x two schemes ------------------------------------------------
@@ -169,18 +172,18 @@ def test_two_stage_timing_picks_the_fastest_and_reports_the_speedup(tmp_path):
 
 
 def test_a_candidate_with_a_wrong_output_is_rejected(tmp_path, monkeypatch):
-    launch = tune._launch
+    launch = operands.launch
 
     def corrupt(op, cfg, routing):  # a config that computes something else (and would be fastest)
         out = launch(op, cfg, routing)
         return out.mul_(1.5) if cfg.block_n == 32 else out
 
-    monkeypatch.setattr(tune, "_launch", corrupt)
+    monkeypatch.setattr(runner, "launch", corrupt)  # the main process checks and times through it
     ft = FakeTime(lambda cfg: 0.5 if cfg.block_n == 32 else 1.0)
     rep = tune_many(["tiny-a"], ["bf16"], [1], out_dir=tmp_path, space="tiny", device="cpu", timer=ft.timer,
                     clock=ft.clock)  # fmt: skip
     for r in rep.combos[0].steps.values():
-        assert [c.block_n for c, _ in r.rejected] == [32] and r.rejected[0][1] > tune.TOLERANCE
+        assert [c.block_n for c, _ in r.rejected] == [32] and r.rejected[0][1] > runner.TOLERANCE
         assert r.cfg.block_n == 64
     assert all(c["block_n"] == 64 for f in rep.files for c in _json(f)["configs"].values())
 
@@ -188,7 +191,7 @@ def test_a_candidate_with_a_wrong_output_is_rejected(tmp_path, monkeypatch):
 def test_budget_stops_between_steps_and_writes_only_finished_token_counts(tmp_path):
     ft = FakeTime()  # every step costs ~5 fake seconds; 12 s left after the write reserve
     rep = tune_many(["tiny-a"], ["bf16"], [1, 8], extra_tokens=[16], out_dir=tmp_path, space="tiny", device="cpu",
-                    timer=ft.timer, clock=ft.clock, budget_s=tune.WRITE_RESERVE_S + 12)  # fmt: skip
+                    timer=ft.timer, clock=ft.clock, budget_s=runner.WRITE_RESERVE_S + 12)  # fmt: skip
     assert rep.stopped == "budget"
     assert "tiny-a bf16 w2 T=16" in rep.skipped
     first, second = (_json(f) for f in rep.files)
@@ -202,9 +205,9 @@ def test_budget_keeps_the_heuristics_neighbourhood_and_puts_extra_token_counts_l
     t = {"now": 0.0}
 
     def plan(budget_s):
-        r = tune._Run([Combo("tiny-a", "bf16")], [1, 64, 256], [512], space="quick", device="cpu", out_dir=None,
-                      gpu="", budget_s=budget_s, pool=tune._WarmPool(0), timer=tune._no_timer, clock=lambda: t["now"],
-                      knobs=(8.0, 60.0, 3))  # fmt: skip
+        r = runner._Run([Combo("tiny-a", "bf16")], [1, 64, 256], [512], space="quick", device="cpu", out_dir=None,
+                        gpu="", budget_s=budget_s, pool=pool.WarmPool(0), timer=runner._no_timer,
+                        clock=lambda: t["now"], knobs=(8.0, 60.0, 3))  # fmt: skip
         r.plan_all()
         ranked = {step: v for step, v in r.plan.items() if isinstance(v, list)}  # GEMM1 steps, GEMM2 not planned
         return r, ranked, set(r.pool._queued)
@@ -212,10 +215,10 @@ def test_budget_keeps_the_heuristics_neighbourhood_and_puts_extra_token_counts_l
     def heads(ranked, n):
         return {k for v in ranked.values() for _, k in v[:n]}
 
-    keep = tune.MIN_CANDIDATES + 1
+    keep = space.MIN_CANDIDATES + 1
     run, ranked, queued = plan(None)  # no budget: everything
     assert run.fraction(0) == 1.0 and queued == heads(ranked, 10**6)
-    run, ranked, queued = plan(tune.WRITE_RESERVE_S + 3.0)  # no time: the heuristic's neighbourhood
+    run, ranked, queued = plan(runner.WRITE_RESERVE_S + 3.0)  # no time: the heuristic's neighbourhood
     assert run.fraction(0) == 0.0 and queued == heads(ranked, keep)
     assert max(len(v) for v in ranked.values()) > keep
     run, ranked, queued = plan(250.0)  # (cost-model priors, no workers) time for the first phase, not the extra
@@ -224,39 +227,39 @@ def test_budget_keeps_the_heuristics_neighbourhood_and_puts_extra_token_counts_l
 
 def test_files_are_written_by_rename(tmp_path, monkeypatch):
     cfg = LaunchConfig(16, 64, 32, 1, 4, 2)
-    cr = tune.ComboResult(Combo("tiny-a", "bf16"), e=4, shapes={"w13": (64, 64, "bf16"), "w2": (64, 32, "bf16")})
+    cr = report.ComboResult(Combo("tiny-a", "bf16"), e=4, shapes={"w13": (64, 64, "bf16"), "w2": (64, 32, "bf16")})
     for g in ("w13", "w2"):
-        cr.steps[(g, 1)] = tune.StepResult(g, 1, 2, cfg, 0.1, cfg, 0.2, planned=2, kept=2)
-    paths = tune.write_combo(cr, tmp_path, "cpu-interpreter")
+        cr.steps[(g, 1)] = report.StepResult(g, 1, 2, cfg, 0.1, cfg, 0.2, planned=2, kept=2)
+    paths = report.write_combo(cr, tmp_path, "cpu-interpreter")
     before = [p.read_text() for p in paths]
 
     def fail(src, dst):
         raise OSError("disk full")
 
-    monkeypatch.setattr(tune.os, "replace", fail)
+    monkeypatch.setattr(report.os, "replace", fail)
     cr.steps[("w13", 1)].cfg = LaunchConfig(16, 32, 32, 1, 4, 2)
     with pytest.raises(OSError):
-        tune.write_combo(cr, tmp_path, "cpu-interpreter")
+        report.write_combo(cr, tmp_path, "cpu-interpreter")
     assert [p.read_text() for p in paths] == before  # the old file, whole
     assert sorted(tmp_path.rglob("*")) == sorted({*paths, *(p.parent for p in paths), *(p.parents[1] for p in paths)})
 
 
 def test_a_run_of_some_token_counts_keeps_the_others(tmp_path):
-    def combo(cfgs: dict) -> tune.ComboResult:
-        cr = tune.ComboResult(Combo("tiny-a", "bf16"), e=4, shapes={"w13": (64, 64, "bf16"), "w2": (64, 32, "bf16")})
+    def combo(cfgs: dict) -> report.ComboResult:
+        cr = report.ComboResult(Combo("tiny-a", "bf16"), e=4, shapes={"w13": (64, 64, "bf16"), "w2": (64, 32, "bf16")})
         for t, cfg in cfgs.items():
             for g in ("w13", "w2"):
-                cr.steps[(g, t)] = tune.StepResult(g, t, 2 * t, cfg, 0.1, cfg, 0.2, planned=2, kept=2)
+                cr.steps[(g, t)] = report.StepResult(g, t, 2 * t, cfg, 0.1, cfg, 0.2, planned=2, kept=2)
         return cr
 
     a, b, c = LaunchConfig(16, 64, 32, 1, 4, 2), LaunchConfig(32, 64, 32, 1, 4, 2), LaunchConfig(1, 32, 128, 1, 4, 3)
-    tune.write_combo(combo({1: a, 64: b}), tmp_path, "cpu-interpreter")
-    paths = tune.write_combo(combo({1: c}), tmp_path, "cpu-interpreter")  # re-tunes T = 1 only
+    report.write_combo(combo({1: a, 64: b}), tmp_path, "cpu-interpreter")
+    paths = report.write_combo(combo({1: c}), tmp_path, "cpu-interpreter")  # re-tunes T = 1 only
     for p in paths:
         data = _json(p)
         assert list(data["configs"]) == ["2", "128"] and list(data["ms"]) == ["2", "128"]
         assert LaunchConfig(**data["configs"]["2"]) == c and LaunchConfig(**data["configs"]["128"]) == b
-    other = tune.write_combo(combo({1: a}), tmp_path, "another-gpu")  # another GPU's file: its own
+    other = report.write_combo(combo({1: a}), tmp_path, "another-gpu")  # another GPU's file: its own
     assert all(list(_json(p)["configs"]) == ["2"] for p in other)
 
 
@@ -276,22 +279,38 @@ def test_a_run_of_some_token_counts_keeps_the_others(tmp_path):
 def test_worker_operands_give_the_main_process_specialisation(shape, scheme):
     combo = Combo("small", scheme, tuple(sorted(shape.items())))
     config, sch = preset_config("small", **shape), QuantScheme.by_name(scheme)
-    weights = tune._weights(config, sch, "cpu")
+    weights = operands.layer_weights(config, sch, "cpu")
     specs = {}
     for t in (1, 2, 16, 64):
         ids, rw = random_topk(t, config.num_experts, config.top_k, torch.Generator().manual_seed(t))
         for gemm in ("w13", "w2"):
-            main = tune._operands(config, sch, weights, gemm, t, "cpu", ids, rw)
+            main = operands.step_operands(config, sch, weights, gemm, t, "cpu", ids, rw)
             for cfg in (main.heuristic(), main.fit(LaunchConfig(64, 128, 64, 8, 8, 3))):
-                with tune._probing("record") as got:
-                    tune._launch(main, cfg, main.routing(cfg.block_m))
-                worker = tune._job_spec(tune._Job(combo, gemm, t, cfg, "cpu"))
+                with probe.probing("record") as got:
+                    operands.launch(main, cfg, main.routing(cfg.block_m))
+                worker = probe.job_spec(probe.Job(combo, gemm, t, cfg, "cpu"))
                 assert worker == tuple(got), (gemm, t, cfg)
                 specs[(gemm, t, cfg)] = worker
     # the check can fail: the pair count's divisibility by 16 is part of the key
     if config.top_k == 8:
         heur = {t: c for (g, t, c) in specs if g == "w13"}
         assert specs[("w13", 1, heur[1])][0][0] != specs[("w13", 2, heur[2])][0][0] or heur[1] != heur[2]
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() or interpreting()), reason="no kernel launches to probe")
+def test_probing_sees_the_launch_through_the_kernels_interception_point():
+    op = operands.worker_operands(Combo("tiny-a", "bf16"), "w13", 4, "cpu")
+    cfg = op.heuristic()
+    routing = op.routing(cfg.block_m)
+    op.out.fill_(float("nan"))
+    with probe.probing("record") as recorded:
+        operands.launch(op, cfg, routing)
+    assert len(recorded) == 1 and recorded[0][0][0] == "_grouped_gemm_kernel"
+    assert op.out.isnan().all()  # recorded, not launched
+    with probe.probing("run") as ran:
+        out = operands.launch(op, cfg, routing)
+    assert ran == recorded and not out.isnan().any()  # every pair is local: every row written
+    assert launch._INTERCEPTORS == []  # nothing left behind
 
 
 @pytest.mark.slow

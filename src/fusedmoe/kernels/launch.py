@@ -78,13 +78,13 @@ def _order(kernel) -> tuple:
 
 
 @contextlib.contextmanager
-def intercept_launches(fn: Callable) -> Iterator[None]:
+def intercept_launches(fn: Callable) -> Iterator[Callable]:
     """While active, every ``launch`` calls ``fn(kernel, grid, args, kwargs)`` instead of launching
     (``fn`` may launch itself with ``kernel[grid](*args, **kwargs)``). For tools (the tuner records
     and pre-compiles what a launch would compile); nested interceptors: the innermost wins."""
     _INTERCEPTORS.append(fn)
     try:
-        yield
+        yield fn
     finally:
         _INTERCEPTORS.pop()
 

@@ -22,20 +22,27 @@ Per (preset, scheme, T) cell, in one run on one GPU:
   bandwidth and the bf16 and fp8 matmul rates are measured in the same run; fp8 w8a8 cells
   use the fp8 rate, the rest the bf16 rate;
 - parts: for ``fusedmoe``, the kernels one call launches and each one's time (profiler,
-  eager, no flush): where the time goes.
+  eager, no flush): where the time goes;
+- eager figures, for ``fusedmoe`` (host time per call is part of the product): the host time
+  per call (``HOST_CALLS`` calls without synchronisation, wall time / calls), the wall time of
+  a call followed by a synchronize (median of ``WALL_CALLS``), and that wall time through the
+  functional ``fused_moe()``; a measurement that fails is recorded on its row, the run goes on;
+- peers: beside each ``fusedmoe`` cell, the best recorded peer time, who, and ours / best,
+  with a geometric mean per scheme (``peers``; ``--peers``).
 
-Writes ``bench.md`` (tables, the bar per cell, kernel breakdown), ``bench.json`` and
-``bench.png`` (% of the floor against T; needs matplotlib) under ``--out``.
+Writes ``bench.md`` (tables, the bar per cell, eager figures and peers, kernel breakdown),
+``bench.json`` and ``bench.png`` (% of the floor against T; needs matplotlib) under ``--out``
+(``bench_results``).
 """
 
 from __future__ import annotations
 
-import itertools
-import json
+import contextlib
 import statistics
 import time
+import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -47,36 +54,27 @@ from ..experts.grouped_mm import FP8_ROWWISE, row_scales
 from ..quant import QTensor, QuantScheme
 from ..quant.scheme import QDtype, shape_supported
 from ..weights import ExpertWeights
+from .bench_results import (
+    COMPUTE_BAR,
+    DECODE_BAR,
+    MEMORY_BAR,
+    W4_SPEEDUP_BAR,
+    Row,
+    bar_verdicts,
+    plot,
+    to_markdown,
+    w4a16_speedups,
+    write_results,
+)
+from .peers import PeerTimes, attach_peers, differs_from_peers
 from .presets import PRESETS, preset_config, preset_router
 from .timing import FlushTimer
 
 DEFAULT_TOKENS = (1, 16, 64, 256, 1024, 4096, 16384)
+# eager figures: calls per host-time span, calls per wall-time median (as the peers' eager table)
+HOST_CALLS, WALL_CALLS, EAGER_WARMUP = 100, 25, 3
 DEFAULT_SCHEMES = ("bf16", "fp8_tensor", "fp8_block")
 PROVIDERS = ("fusedmoe", "grouped_mm", "torch_grouped_mm", "loop")
-# the bar of the performance issue
-MEMORY_BAR, COMPUTE_BAR, DECODE_BAR, W4_SPEEDUP_BAR = 85.0, 75.0, 100 / 1.2, 3.0
-
-
-@dataclass
-class Row:
-    preset: str
-    scheme: str
-    tokens: int
-    provider: str
-    mode: str  # 'graph' (CUDA-graph replays) or 'eager'
-    ms: float
-    floor_ms: float
-    pct_of_floor: float
-    bound: str  # what sets the floor: 'memory' or 'compute'
-    tb_s: float
-    tflop_s: float
-    experts_hit: float
-    command: str
-    launches: float | None = None
-    kernels: list = field(default_factory=list)  # [(name, calls, us)] per call, fusedmoe only
-
-
-# ---- ceilings and floors -------------------------------------------------------------------
 
 
 def measure_ceilings(device: str = "cuda") -> dict:
@@ -144,6 +142,60 @@ def kernel_breakdown(fn: Callable[[], object], iters: int = 5) -> list[tuple[str
             continue
         out.append((ev.key[:70], ev.count / iters, us / iters))
     return sorted(out, key=lambda r: -r[2])
+
+
+def _warm_up(fns: list[Callable[[], object]], warmup: int, sync: Callable[[], object]) -> None:
+    for _ in range(warmup):
+        for f in fns:
+            f()
+    sync()
+
+
+def eager_host_us(
+    fns: list[Callable[[], object]], calls: int = HOST_CALLS, warmup: int = EAGER_WARMUP, sync=None,
+    clock=time.perf_counter,
+) -> float:  # fmt: skip
+    """Host time per eager call: ``calls`` calls rotating through ``fns`` (one per input set) with
+    no synchronisation between them, wall time / calls; warmed up and synchronised before, the
+    queue drained after the span. Where a call's GPU work outlasts its host work the launch queue
+    fills and the host waits: the figure then tends to the GPU time per call."""
+    sync = sync or torch.cuda.synchronize
+    _warm_up(fns, warmup, sync)
+    t0 = clock()
+    for i in range(calls):
+        fns[i % len(fns)]()
+    span = clock() - t0
+    sync()
+    return span / calls * 1e6
+
+
+def eager_wall_us(
+    fns: list[Callable[[], object]], calls: int = WALL_CALLS, warmup: int = EAGER_WARMUP, sync=None,
+    clock=time.perf_counter,
+) -> float:  # fmt: skip
+    """Median wall time of one eager call followed by a synchronize, over ``calls`` calls rotating
+    through ``fns`` (the peers' eager figures are taken the same way)."""
+    sync = sync or torch.cuda.synchronize
+    _warm_up(fns, warmup, sync)
+    times = []
+    for i in range(calls):
+        t0 = clock()
+        fns[i % len(fns)]()
+        sync()
+        times.append(clock() - t0)
+    return statistics.median(times) * 1e6
+
+
+def _measured(row: Row, what: str, fn: Callable[[], float]) -> float | None:
+    """``fn()``; on failure None, with the failure on ``row.errors`` (the run goes on)."""
+    try:
+        return fn()
+    except Exception as e:
+        row.errors.append(f"{what}: {type(e).__name__}: {e}"[:300])
+        print(f"  {row.preset} {row.scheme} T={row.tokens} {what} failed: {e!r}"[:300], flush=True)
+        with contextlib.suppress(Exception):  # a failed launch may leave work queued
+            torch.cuda.synchronize()
+        return None
 
 
 # ---- weights and providers -----------------------------------------------------------------
@@ -289,6 +341,149 @@ def _layer(impl, router, x, logits, bias):
     return impl(x, router.route(logits, bias))
 
 
+def _fused_moe_layer(config, scheme, weights, router):
+    """``(x, logits, bias) -> out`` through ``api.fused_moe`` (backend auto, the weights in the
+    layout of the backend it picks), or the reason it cannot run. fused_moe takes no correction
+    bias, so DeepSeek-V3's cells route without it there (the same grouped sigmoid top-k)."""
+    from ..api import cached_kernel
+
+    try:
+        prepared = cached_kernel(config, scheme).experts.prepare_weights(weights)
+    except Exception as e:  # e.g. a backend that needs padded H and I: fused_moe refuses it
+        return None, f"fused_moe(): {type(e).__name__}: {e}"[:300]
+    return partial(_call_fused_moe, prepared, config, scheme, router), None
+
+
+def _call_fused_moe(weights, config, scheme, router, x, logits, bias):
+    from ..api import fused_moe
+
+    return fused_moe(x, logits, weights, config, scheme, router=router)
+
+
+@dataclass
+class _Cell:
+    """One (preset, scheme, T): the input sets every provider runs and the floor it is held to."""
+
+    preset: str
+    scheme: str
+    t: int
+    router: object
+    sets: list  # [(x, logits, correction bias or None)], rotated between calls
+    hit: float  # experts hit, mean over the sets
+    floor: float
+    bound: str
+    nbytes: float
+    flops: float
+
+    def calls(self, layer) -> list[Callable[[], object]]:
+        """One call of ``layer(x, logits, bias)`` per input set."""
+        return [partial(layer, *s) for s in self.sets]
+
+    def row(self, provider: str, mode: str, ms: float) -> Row:
+        cmd = f"fusedmoe bench --preset {self.preset} --scheme {self.scheme} --tokens {self.t} --providers {provider}"
+        s = ms * 1e-3
+        return Row(
+            self.preset, self.scheme, self.t, provider, mode, ms, self.floor, 100 * self.floor / ms, self.bound,
+            self.nbytes / s / 1e12, self.flops / s / 1e12, self.hit, cmd + (" --eager" if mode == "eager" else ""),
+        )  # fmt: skip
+
+
+@dataclass
+class _Bench:
+    """One ``run_bench`` call: what every cell shares (ceilings, timer, options) and what went wrong."""
+
+    ceil: dict
+    providers: tuple
+    graph: bool
+    parts: bool
+    input_sets: int
+    timer: FlushTimer = field(default_factory=FlushTimer)
+    failed: list = field(default_factory=list)  # "<pair or cell> [provider]: why" of what failed
+
+    def cell(self, preset, scheme, config, router, biased, t, per_expert, rate) -> _Cell:
+        g = torch.Generator(device="cuda").manual_seed(t)
+        n_sets = self.input_sets if t <= 4096 else max(1, self.input_sets // 2)
+        sets = []
+        for _ in range(n_sets):
+            x = torch.randn(t, config.hidden_size, device="cuda", generator=g).to(config.dtype)
+            logits = torch.randn(t, config.num_experts, device="cuda", generator=g)
+            bias = 0.1 * torch.randn(config.num_experts, device="cuda", generator=g) if biased else None
+            sets.append((x, logits, bias))
+        hit = statistics.mean(int(torch.unique(router.route(s[1], s[2]).ids).numel()) for s in sets)
+        floor, bound, nbytes, flops = roofline(config, t, hit, per_expert, rate, self.ceil["copy_bytes_per_s"])
+        return _Cell(preset, scheme.name, t, router, sets, hit, floor, bound, nbytes, flops)
+
+    def scheme(self, preset: str, scheme: QuantScheme, tokens) -> list[Row]:
+        """Every provider's rows for one (preset, scheme) at each T."""
+        config = preset_config(preset)
+        router, biased = preset_router(preset)
+        weights = bench_weights(config, scheme, "cuda")
+        per_expert, rate = _weight_bytes_per_expert(weights), matmul_rate(scheme, self.ceil)
+        impls = _implementations(config, scheme, weights, self.providers, max(tokens))
+        fm = _fused_moe_layer(config, scheme, weights, router) if "fusedmoe" in impls else (None, None)
+        rows: list[Row] = []
+        for t in tokens:
+            cell = self.cell(preset, scheme, config, router, biased, t, per_expert, rate)
+            for name, (impl, capturable, t_max) in impls.items():
+                if t <= t_max:
+                    rows += self.provider(cell, name, partial(_layer, impl, router), capturable, fm)
+            del cell
+        del weights, impls, fm
+        torch.cuda.empty_cache()
+        return rows
+
+    def provider(self, cell: _Cell, name: str, layer, capturable: bool, fm) -> list[Row]:
+        """One provider's rows in one cell: its graph (else eager) timing; for ``fusedmoe`` also
+        an eager timing at T <= 64, the kernel breakdown and the eager figures."""
+        fns = cell.calls(layer)
+        modes = [self.graph and capturable]
+        if name == "fusedmoe" and self.graph and cell.t <= 64:
+            modes.append(False)
+        rows = []
+        for use_graph in modes:
+            try:
+                ms, mode = self.timer.median_ms(fns, graph=use_graph)
+            except Exception as e:  # a provider that cannot run this shape is reported
+                self.failed.append(f"{cell.preset} {cell.scheme} T={cell.t} {name}: {e!r}"[:300])
+                print(f"{self.failed[-1]} (failed)")
+                continue
+            row = cell.row(name, mode, ms)
+            if name == "fusedmoe" and mode == "graph" and self.parts:
+                row.kernels = _measured(row, "kernel breakdown", partial(kernel_breakdown, fns[0])) or []
+                row.launches = sum(c for _, c, _ in row.kernels) if row.kernels else None
+            rows.append(row)
+            _print_row(row)
+        if name == "fusedmoe" and rows:
+            _eager_figures(rows[0], fns, *fm, cell)
+        return rows
+
+
+def _eager_figures(row: Row, fns, fm_layer, fm_error: str | None, cell: _Cell) -> None:
+    """The eager figures of a ``fusedmoe`` cell on its first row: host time per call, wall time
+    per call, and the wall time through ``fused_moe()``; each failure is recorded on the row."""
+    row.eager_host_us = _measured(row, "eager host time", partial(eager_host_us, fns))
+    row.eager_wall_us = _measured(row, "eager wall time", partial(eager_wall_us, fns))
+    if fm_layer is not None:
+        row.fused_moe_us = _measured(row, "fused_moe() wall time", partial(eager_wall_us, cell.calls(fm_layer)))
+    elif fm_error:
+        row.errors.append(fm_error)
+
+    def us(v):
+        return "-" if v is None else f"{v:.1f}"
+
+    print(f"{'':47s} eager: host {us(row.eager_host_us)} us, wall {us(row.eager_wall_us)} us, "
+          f"fused_moe() {us(row.fused_moe_us)} us", flush=True)  # fmt: skip
+
+
+def _print_row(row: Row) -> None:
+    print(
+        f"{row.preset:14s} {row.scheme:11s} T={row.tokens:6d} {row.provider:17s} {row.mode:5s} {row.ms:9.4f} ms  "
+        f"floor {row.floor_ms:8.4f} ms ({row.bound})  {row.pct_of_floor:5.1f}%  {row.tb_s:5.2f} TB/s "
+        f"{row.tflop_s:6.1f} TFLOP/s" + (f"  {row.launches:.0f} launches" if row.launches else ""),
+        flush=True,
+    )
+
+
 def run_bench(
     presets,
     schemes,
@@ -299,19 +494,22 @@ def run_bench(
     graph: bool = True,
     parts: bool = True,
     input_sets: int = 4,
+    peers: PeerTimes | None = None,
 ) -> list[Row]:
+    """Time every provider at every (preset, scheme, T) cell; results under ``out_dir`` after
+    each (preset, scheme). ``peers``: recorded peer times to put beside our ``fusedmoe`` cells."""
     ceil = measure_ceilings()
-    bw = ceil["copy_bytes_per_s"]
     print(
-        f"ceilings: copy {bw / 1e12:.2f} TB/s, bf16 {ceil['bf16_flop_per_s'] / 1e12:.0f} TFLOP/s, "
-        f"fp8 {ceil['fp8_flop_per_s'] / 1e12:.0f} TFLOP/s on {ceil['gpu']}"
+        f"ceilings: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 {ceil['bf16_flop_per_s'] / 1e12:.0f} "
+        f"TFLOP/s, fp8 {ceil['fp8_flop_per_s'] / 1e12:.0f} TFLOP/s on {ceil['gpu']}"
     )
-    timer = FlushTimer()
+    bench = _Bench(ceil, tuple(providers), graph, parts, input_sets)
     rows: list[Row] = []
     not_run: list[str] = []  # (preset, scheme) pairs the scheme cannot store, with the reason
+    meta = {**ceil, "not_run": not_run, "failed": bench.failed, "eager_calls": {"host": HOST_CALLS, "wall": WALL_CALLS}}
+    meta.update(peers_meta(peers, presets))
     for preset in presets:
         config = preset_config(preset)
-        router, biased = preset_router(preset)
         for sname in schemes:
             scheme = QuantScheme.by_name(sname)
             why = shape_supported(scheme, config.hidden_size, config.intermediate_size)
@@ -319,263 +517,52 @@ def run_bench(
                 not_run.append(f"{preset} {sname}: {why}")
                 print(f"{preset} {sname}: not run: {why}", flush=True)
                 continue
-            weights = bench_weights(config, scheme, "cuda")
-            per_expert, rate = _weight_bytes_per_expert(weights), matmul_rate(scheme, ceil)
-            impls = _implementations(config, scheme, weights, providers, max(tokens))
-            for t in tokens:
-                g = torch.Generator(device="cuda").manual_seed(t)
-                n_sets = input_sets if t <= 4096 else max(1, input_sets // 2)
-                sets = []
-                for _ in range(n_sets):
-                    x = torch.randn(t, config.hidden_size, device="cuda", generator=g).to(config.dtype)
-                    logits = torch.randn(t, config.num_experts, device="cuda", generator=g)
-                    bias = 0.1 * torch.randn(config.num_experts, device="cuda", generator=g) if biased else None
-                    sets.append((x, logits, bias))
-                hit = statistics.mean(int(torch.unique(router.route(s[1], s[2]).ids).numel()) for s in sets)
-                floor, bound, nbytes, flops = roofline(config, t, hit, per_expert, rate, bw)
-                for name, (impl, capturable, t_max) in impls.items():
-                    if t > t_max:
-                        continue
-                    fns = [partial(_layer, impl, router, *s) for s in sets]
-                    modes = [graph and capturable]
-                    if name == "fusedmoe" and graph and t <= 64:
-                        modes.append(False)
-                    for use_graph in modes:
-                        try:
-                            ms, mode = timer.median_ms(fns, graph=use_graph)
-                        except Exception as e:  # a provider that cannot run this shape is reported
-                            print(f"{preset} {sname} T={t} {name}: failed: {e!r}"[:300])
-                            continue
-                        cmd = f"fusedmoe bench --preset {preset} --scheme {sname} --tokens {t} --providers {name}"
-                        row = Row(
-                            preset,
-                            sname,
-                            t,
-                            name,
-                            mode,
-                            ms,
-                            floor,
-                            100 * floor / ms,
-                            bound,
-                            nbytes / (ms * 1e-3) / 1e12,
-                            flops / (ms * 1e-3) / 1e12,
-                            hit,
-                            cmd + (" --eager" if mode == "eager" else ""),
-                        )
-                        if name == "fusedmoe" and mode == "graph" and parts:
-                            row.kernels = kernel_breakdown(fns[0])
-                            row.launches = sum(c for _, c, _ in row.kernels)
-                        rows.append(row)
-                        print(
-                            f"{preset:14s} {sname:11s} T={t:6d} {name:17s} {mode:5s} {ms:9.4f} ms  "
-                            f"floor {floor:8.4f} ms ({bound})  {row.pct_of_floor:5.1f}%  {row.tb_s:5.2f} TB/s "
-                            f"{row.tflop_s:6.1f} TFLOP/s" + (f"  {row.launches:.0f} launches" if row.launches else ""),
-                            flush=True,
-                        )
-                del sets
-            del weights, impls
-            torch.cuda.empty_cache()
+            try:
+                rows += bench.scheme(preset, scheme, tokens)
+            except Exception as e:  # weights or a kernel build (e.g. out of memory): the next pair goes on
+                bench.failed.append(f"{preset} {sname}: {type(e).__name__}: {e}"[:300])
+                print(f"{bench.failed[-1]} (failed)", flush=True)
+                traceback.print_exc()
+                torch.cuda.empty_cache()
+            attach_peers(rows, peers)
             if out_dir:
-                write_results(out_dir, rows, {**ceil, "not_run": not_run})
-    if out_dir and not_run:  # the last pairs may have been the ones not run
-        write_results(out_dir, rows, {**ceil, "not_run": not_run})
+                write_results(out_dir, rows, meta)
+    if out_dir and (not_run or bench.failed):  # the last pairs may have been the ones not run
+        write_results(out_dir, rows, meta)
     return rows
 
 
-# ---- results -------------------------------------------------------------------------------
-
-
-def write_results(out_dir: str, rows: list[Row], ceil: dict) -> None:
-    """bench.json, bench.md and bench.png with the rows so far (rewritten after each scheme)."""
-    import os
-
-    import triton
-
-    os.makedirs(out_dir, exist_ok=True)
-    meta = {**ceil, "torch": torch.__version__, "triton": triton.__version__, "date": time.strftime("%Y-%m-%d")}
-    with open(os.path.join(out_dir, "bench.json"), "w") as f:
-        json.dump({"meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=1)
-    with open(os.path.join(out_dir, "bench.md"), "w") as f:
-        f.write(to_markdown(rows, meta))
-    plot(rows, meta, os.path.join(out_dir, "bench.png"))
-
-
-def bar_verdicts(rows: list[Row]) -> list[dict]:
-    """The performance bar per (preset, scheme, T) cell of ``fusedmoe`` (graph timing)."""
-    by_cell: dict[tuple, dict[str, Row]] = {}
-    for r in rows:
-        if r.mode == "graph" or r.provider not in by_cell.get((r.preset, r.scheme, r.tokens), {}):
-            by_cell.setdefault((r.preset, r.scheme, r.tokens), {})[r.provider] = r
-    out = []
-    for (preset, scheme, t), cell in by_cell.items():
-        ours = cell.get("fusedmoe")
-        if ours is None or ours.mode != "graph":
-            continue
-        need = DECODE_BAR if t == 1 else (MEMORY_BAR if ours.bound == "memory" else COMPUTE_BAR)
-        torch_row = cell.get("torch_grouped_mm")
-        misses = []
-        if ours.pct_of_floor < need:
-            misses.append(f"{ours.pct_of_floor:.0f}% of floor < {need:.0f}%")
-        if torch_row is not None and torch_row.ms <= ours.ms:
-            misses.append(f"torch {torch_row.ms:.4f} ms <= ours")
-        out.append(
-            dict(
-                preset=preset,
-                scheme=scheme,
-                tokens=t,
-                ms=ours.ms,
-                pct=ours.pct_of_floor,
-                need=need,
-                torch_ms=None if torch_row is None else torch_row.ms,
-                misses=misses,
-            )
-        )
-    return out
-
-
-def w4a16_speedups(rows: list[Row], schemes=("int4_g128", "mxfp4")) -> list[dict]:
-    """Our bf16 layer's time over our w4a16 layer's at T = 1, per preset (bar: >= 3x)."""
-    ours = {(r.preset, r.scheme, r.tokens): r.ms for r in rows if r.provider == "fusedmoe" and r.mode == "graph"}
-    out = []
-    for (preset, scheme, t), ms in sorted(ours.items()):
-        if t == 1 and scheme in schemes and (preset, "bf16", 1) in ours:
-            out.append(
-                dict(
-                    preset=preset,
-                    scheme=scheme,
-                    bf16_ms=ours[(preset, "bf16", 1)],
-                    ms=ms,
-                    speedup=ours[(preset, "bf16", 1)] / ms,
-                )
-            )
-    return out
-
-
-def to_markdown(rows: list[Row], meta: dict) -> str:
-    lines = [
-        f"# fusedmoe bench on {meta['gpu']} ({meta['date']}; torch {meta['torch']}, triton {meta['triton']})",
-        "",
-        f"Ceilings measured in the same run: copy {meta['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
-        f"bf16 matmul {meta['bf16_flop_per_s'] / 1e12:.0f} TFLOP/s, "
-        f"fp8 matmul {meta.get('fp8_flop_per_s', 0) / 1e12:.0f} TFLOP/s. Times: median of CUDA-graph "
-        "replays (mode graph) or eager calls, inputs rotated, L2 flushed before each; the whole layer "
-        "from router logits.",
-        "",
-        "| preset | scheme | T | provider | mode | ms | floor ms | bound | % of floor | TB/s | TFLOP/s "
-        "| experts hit | launches |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    if meta.get("not_run"):
-        lines[-3:-3] = ["Not run (the scheme cannot store the preset's weights): " + "; ".join(meta["not_run"]), ""]
-    for r in rows:
-        launches = "" if r.launches is None else f"{r.launches:.0f}"
-        lines.append(
-            f"| {r.preset} | {r.scheme} | {r.tokens} | {r.provider} | {r.mode} | {r.ms:.4f} | {r.floor_ms:.4f} "
-            f"| {r.bound} | {r.pct_of_floor:.1f} | {r.tb_s:.2f} | {r.tflop_s:.1f} | {r.experts_hit:g} | {launches} |"
-        )
-    verdicts = bar_verdicts(rows)
-    if verdicts:
-        lines += [
-            "",
-            "## The bar (fusedmoe, graph timing)",
-            "",
-            f">= {MEMORY_BAR:.0f}% of a memory floor, >= {COMPUTE_BAR:.0f}% of a compute floor, T = 1 within "
-            "1.2x of the floor, faster than torch grouped GEMM.",
-            "",
-            "| preset | scheme | T | ms | % of floor | needed | torch ms | verdict |",
-            "|---|---|---|---|---|---|---|---|",
-        ]
-        for v in verdicts:
-            tms = "" if v["torch_ms"] is None else f"{v['torch_ms']:.4f}"
-            verdict = "meets" if not v["misses"] else "misses: " + "; ".join(v["misses"])
-            lines.append(
-                f"| {v['preset']} | {v['scheme']} | {v['tokens']} | {v['ms']:.4f} | {v['pct']:.1f} "
-                f"| {v['need']:.0f} | {tms} | {verdict} |"
-            )
-    speed = w4a16_speedups(rows)
-    if speed:
-        lines += [
-            "",
-            "## w4a16 at T = 1 against our bf16 (bar: >= 3x)",
-            "",
-            "| preset | scheme | bf16 ms | ms | speedup |",
-            "|---|---|---|---|---|",
-        ]
-        lines += [
-            f"| {s['preset']} | {s['scheme']} | {s['bf16_ms']:.4f} | {s['ms']:.4f} | {s['speedup']:.2f}x |"
-            for s in speed
-        ]
-    parts = [r for r in rows if r.kernels]
-    if parts:
-        lines += ["", "## Where the time goes (fusedmoe: kernels per call, profiler, eager, no flush)", ""]
-        for r in parts:
-            ks = "; ".join(f"{name} x{calls:g} {us:.1f} us" for name, calls, us in r.kernels[:10])
-            lines.append(f"- {r.preset} {r.scheme} T={r.tokens}: {r.launches:.0f} launches: {ks}")
-    return "\n".join(lines) + "\n"
-
-
-def plot(rows: list[Row], meta: dict, path: str) -> bool:
-    """% of the floor against T: a panel per (scheme, preset), a colour per provider, dashed =
-    eager. False (and nothing written) without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot (pip install fusedmoe[bench])")
-        return False
-    presets = list(dict.fromkeys(r.preset for r in rows))
-    schemes = list(dict.fromkeys(r.scheme for r in rows))
-    if not presets:
-        return False
-    colours = {p: f"C{i}" for i, p in enumerate(PROVIDERS)}
-    fig, axes = plt.subplots(
-        len(schemes), len(presets), figsize=(4 * len(presets), 3 * len(schemes)), squeeze=False, sharey=True
-    )
-    for (si, scheme), (pi, preset) in itertools.product(enumerate(schemes), enumerate(presets)):
-        ax = axes[si][pi]
-        series: dict[tuple[str, str], list[tuple[int, float]]] = {}
-        for r in rows:
-            if r.preset == preset and r.scheme == scheme:
-                series.setdefault((r.provider, r.mode), []).append((r.tokens, r.pct_of_floor))
-        for (provider, mode), pts in series.items():
-            pts.sort()
-            ax.plot(
-                [p[0] for p in pts],
-                [p[1] for p in pts],
-                marker="o",
-                ms=3,
-                color=colours.get(provider, "k"),
-                ls="--" if mode == "eager" else "-",
-                label=f"{provider} ({mode})",
-            )
-        ax.set_xscale("log", base=2)
-        ax.axhline(MEMORY_BAR, color="gray", lw=0.8, ls=":")
-        ax.set_title(f"{preset} {scheme}", fontsize=9)
-        ax.grid(alpha=0.3)
-        if si == len(schemes) - 1:
-            ax.set_xlabel("tokens")
-        if pi == 0:
-            ax.set_ylabel("% of roofline floor")
-        if ax.lines:
-            ax.legend(fontsize=6, loc="best")
-    fig.suptitle(f"fusedmoe bench, {meta['gpu']}, {meta['date']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+def peers_meta(peers: PeerTimes | None, presets) -> dict:
+    """What the results say about the peer times: where they came from, and the presets whose
+    bench layer is not the one the peers ran (their ratios compare slightly different layers)."""
+    if peers is None:
+        return {}
+    differs = {}
+    for p in presets:
+        router, biased = preset_router(p)
+        why = differs_from_peers(preset_config(p), router, biased)
+        if why:
+            differs[p] = why
+    return {"peers": {"path": peers.path, **peers.source}, "peer_layer_differs": differs}
 
 
 __all__ = [
     "run_bench",
     "measure_ceilings",
     "roofline",
+    "eager_host_us",
+    "eager_wall_us",
     "bar_verdicts",
+    "w4a16_speedups",
     "to_markdown",
+    "write_results",
     "plot",
     "PRESETS",
     "DEFAULT_TOKENS",
     "DEFAULT_SCHEMES",
     "PROVIDERS",
+    "MEMORY_BAR",
+    "COMPUTE_BAR",
+    "DECODE_BAR",
+    "W4_SPEEDUP_BAR",
 ]

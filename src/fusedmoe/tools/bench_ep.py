@@ -506,7 +506,7 @@ def write_results(out: str, world: int, rows: list[dict], layer: list[dict], met
 
 
 # ---- entry points --------------------------------------------------------------------------------
-def main(argv=None) -> int:
+def _parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--tokens", default="1,16,128,1024,4096")
@@ -516,18 +516,13 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--preset", default="dsv3", choices=sorted(PRESETS))
     ap.add_argument("--timeout", type=float, default=300.0)
-    args = ap.parse_args(argv)
-    rank, world = init_ep(timeout_s=args.timeout)
-    device = comm_device()
-    config = PRESETS[args.preset]
-    parallel = ParallelConfig(ep_size=world, ep_rank=rank)
-    emap = parallel.expert_map(config.num_experts, device)
-    num_local = len(parallel.local_experts(config.num_experts))
-    weights = stub_weights(config, num_local, device)
-    wanted = set(args.dispatchers.split(","))
-    cuda = device.type == "cuda"
+    return ap.parse_args(argv)
+
+
+def _meta(args, argv, world: int, config: MoEConfig, cuda: bool) -> dict:
+    """The run's header: GPU, shape, versions and the command that reproduces it."""
     nccl = ".".join(str(v) for v in torch.cuda.nccl.version()) if cuda and hasattr(torch.cuda, "nccl") else "-"
-    meta = {
+    return {
         "world": world,
         "gpu": torch.cuda.get_device_name() if cuda else "CPU (gloo)",
         "shape": f"{args.preset}: H {config.hidden_size}, K {config.top_k}, E {config.num_experts}",
@@ -538,8 +533,15 @@ def main(argv=None) -> int:
             world, " ".join(argv if argv is not None else sys.argv[1:])
         ),
     }
-    rows, layer = [], []
-    t_start = time.time()
+
+
+def _exchange_rows(args, config: MoEConfig, parallel: ParallelConfig, device) -> list[dict]:
+    """Part 1: a row per (scheme, T, dispatcher, mode); a failure is the row's ``error``."""
+    rank = parallel.ep_rank
+    emap = parallel.expert_map(config.num_experts, device)
+    weights = stub_weights(config, len(parallel.local_experts(config.num_experts)), device)
+    wanted = set(args.dispatchers.split(","))
+    rows = []
     for scheme_name in args.schemes.split(","):
         scheme = QuantScheme.by_name(scheme_name)
         for t in (int(v) for v in args.tokens.split(",")):
@@ -547,56 +549,72 @@ def main(argv=None) -> int:
             x = torch.randn(t, config.hidden_size, generator=g, device=device).to(config.dtype)
             topk = TopK(*random_topk(t, config.num_experts, config.top_k, g))
             capacity = global_need(topk.ids, config.num_experts)
-            for name, mode in MODES:
-                if name not in wanted:
-                    continue
+            for name, mode in (m for m in MODES if m[0] in wanted):
                 row = {"dispatcher": name, "mode": mode, "scheme": scheme_name, "tokens": t}
                 try:
-                    row.update(
-                        exchange_cell(
-                            name, mode, config, scheme, parallel, weights, x, topk, emap, capacity, args.iters
-                        )
+                    cell = exchange_cell(
+                        name, mode, config, scheme, parallel, weights, x, topk, emap, capacity, args.iters
                     )
+                    row.update(cell)
                 except Exception as e:
                     row["error"] = f"{type(e).__name__}: {e}"[:300]
                     traceback.print_exc()
                 rows.append(row)
                 if rank == 0:
                     print(json.dumps(row), flush=True)
-                if cuda:
+                if device.type == "cuda":
                     torch.cuda.empty_cache()
-    meta["exchange_seconds"] = time.time() - t_start
+    return rows
+
+
+def _graph_checks(parallel: ParallelConfig, device) -> dict:
+    """Part 3, per dispatcher: the CUDA-graph identity check's verdict (or why it failed)."""
+    if device.type != "cuda":
+        return {"-": "not run (no CUDA)"}
     checks = {}
-    if cuda:
-        for name in DISPATCHERS:
-            try:
-                checks[name] = graph_identity_check(name, parallel, device)
-            except Exception as e:
-                checks[name] = f"failed: {type(e).__name__}: {e}"[:300]
-    meta["graph_identity_check"] = checks or {"-": "not run (no CUDA)"}
-    if rank == 0:  # written now and again after the layer part (a timeout there keeps these)
-        write_results(args.out, world, rows, layer, meta)
+    for name in DISPATCHERS:
+        try:
+            checks[name] = graph_identity_check(name, parallel, device)
+        except Exception as e:
+            checks[name] = f"failed: {type(e).__name__}: {e}"[:300]
+    return checks
+
+
+def _layer_rows(args, config: MoEConfig, parallel: ParallelConfig, device) -> list[dict]:
+    """Part 2: one GPU against EP per scheme at ``--layer-tokens``; rank 0's one-GPU rows first."""
     layer_tokens = [int(v) for v in args.layer_tokens.split(",") if v]
-    if layer_tokens:
-        for scheme_name in args.schemes.split(","):
-            try:
-                layer += layer_cells(
-                    config,
-                    scheme_name,
-                    layer_tokens,
-                    parallel,
-                    device,
-                    args.iters,
-                    lambda ids: global_need(ids, config.num_experts),
-                )
-            except Exception as e:  # the same failure on every rank (e.g. out of memory): report, go on
-                layer.append({"scheme": scheme_name, "tokens": 0, "setup": "-", "error": f"{type(e).__name__}: {e}"})
-                traceback.print_exc()
-            if cuda:
-                torch.cuda.empty_cache()
-        layer = [r for r in _gather_rows(layer) if r.get("setup") == "1 GPU"] + (
-            [r for r in layer if r.get("setup") != "1 GPU"]
-        )
+    if not layer_tokens:
+        return []
+    layer = []
+    for scheme_name in args.schemes.split(","):
+        try:
+            layer += layer_cells(
+                config, scheme_name, layer_tokens, parallel, device, args.iters,
+                lambda ids: global_need(ids, config.num_experts),
+            )  # fmt: skip
+        except Exception as e:  # the same failure on every rank (e.g. out of memory): report, go on
+            layer.append({"scheme": scheme_name, "tokens": 0, "setup": "-", "error": f"{type(e).__name__}: {e}"})
+            traceback.print_exc()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    one_gpu = [r for r in _gather_rows(layer) if r.get("setup") == "1 GPU"]
+    return one_gpu + [r for r in layer if r.get("setup") != "1 GPU"]
+
+
+def main(argv=None) -> int:
+    args = _parse_args(argv)
+    rank, world = init_ep(timeout_s=args.timeout)
+    device = comm_device()
+    config = PRESETS[args.preset]
+    parallel = ParallelConfig(ep_size=world, ep_rank=rank)
+    meta = _meta(args, argv, world, config, device.type == "cuda")
+    t_start = time.time()
+    rows = _exchange_rows(args, config, parallel, device)
+    meta["exchange_seconds"] = time.time() - t_start
+    meta["graph_identity_check"] = _graph_checks(parallel, device)
+    if rank == 0:  # written now and again after the layer part (a timeout there keeps these)
+        write_results(args.out, world, rows, [], meta)
+    layer = _layer_rows(args, config, parallel, device)
     meta["seconds"] = time.time() - t_start
     if rank == 0:
         print(write_results(args.out, world, rows, layer, meta), flush=True)

@@ -1,0 +1,100 @@
+"""What the tuner tries: the candidate spaces, the candidates of one step, and their ranking."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import asdict
+
+from ...kernels.launch_config import LaunchConfig
+
+SPACES = {
+    # 96 configs before the BM and GROUP_M filters: 12-24 per decode step, 60-96 per prefill step
+    "quick": dict(
+        block_m=(16, 32, 64, 128),
+        block_n=(64, 128, 256),
+        block_k=(64, 128),
+        group_m=(1, 8),
+        num_warps=(4, 8),
+        num_stages=(3,),
+    ),
+    "full": dict(
+        block_m=(16, 32, 64, 128),
+        block_n=(32, 64, 128, 256),
+        block_k=(32, 64, 128),
+        group_m=(1, 8, 16),
+        num_warps=(4, 8),
+        num_stages=(2, 3, 4, 5),
+    ),
+    # for tests under the interpreter: two candidates
+    "tiny": dict(block_m=(16,), block_n=(32, 64), block_k=(32,), group_m=(1,), num_warps=(4,), num_stages=(2,)),
+}
+# Steps with at most DECODE_ROWS rows per expert also try the FMA path (BM < 16: no tensor cores,
+# the W tile reduced in fp32 as stored), 4-24 more candidates each; BM beyond twice the rows per
+# expert only multiplies the FMA work, so those are left out.
+DECODE_SPACE = dict(
+    block_m=(1, 2, 4, 8),
+    block_n=(32, 64, 128),
+    block_k=(128, 256),
+    group_m=(1,),
+    num_warps=(4,),
+    num_stages=(3, 4),
+)
+DECODE_ROWS = 8
+ALL_PRESETS = ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3", "gpt-oss-20b")  # ``--preset all``
+SCHEMES = ("bf16", "fp8_tensor", "fp8_block")  # ``--scheme all``
+MIN_CANDIDATES = 4  # kept per step (besides the heuristic) whatever the budget
+
+
+def parse_presets(text: str) -> list[str]:
+    """'all' -> the four shipped presets; else a comma list."""
+    return list(ALL_PRESETS) if text == "all" else [p for p in text.split(",") if p]
+
+
+def candidates(space: str, m_pairs: int, num_experts: int, block_m: int | None = None) -> list[LaunchConfig]:
+    """The space's configs whose BM suits the rows per expert (at most 4x the need, at least 16),
+    and for decode steps (``DECODE_ROWS``) the FMA path's (BM < 16, at most twice the rows).
+
+    ``block_m`` pins BM: the layer aligns the pairs once, with GEMM1's BM, and GEMM2 runs
+    on that alignment, so GEMM2 is tuned under the BM GEMM1 chose (tuning it freely
+    picked tiles the layer then ran with another BM: 2x slower fp8-block cells, H200).
+    GROUP_M > 1 only where an expert has more than one BM tile on average: it orders the
+    tiles so the M tiles of one expert share W[e] in L2; with one tile per expert every
+    order reads the same bytes (this halves the decode steps' candidates).
+    """
+    rows = m_pairs / max(1, num_experts)
+    grids = [dict(SPACES[space])]
+    if space != "tiny" and rows <= DECODE_ROWS:
+        grids.append(dict(DECODE_SPACE))
+    need = max(16, 4 * m_pairs // max(1, num_experts))
+    out = []
+    for grid in grids:
+        if block_m is not None:
+            if (block_m < 16) != (grid["block_m"][0] < 16):
+                continue
+            grid["block_m"] = (block_m,)
+        for vals in itertools.product(*grid.values()):
+            cfg = LaunchConfig(**dict(zip(grid, vals, strict=True)))
+            if cfg.block_m < 16:
+                ok = block_m is not None or cfg.block_m <= max(1, 2 * math.ceil(rows))
+            else:
+                ok = cfg.block_m <= need or cfg.block_m == 16
+            if ok and (cfg.group_m == 1 or rows > cfg.block_m):
+                out.append(cfg)
+    return out
+
+
+def by_distance(cfgs: list[LaunchConfig], ref: LaunchConfig) -> list[LaunchConfig]:
+    """Unique ``cfgs``, nearest the heuristic ``ref`` first (log2 tile distance, then the other
+    knobs; the space's order among equals): a budget cut keeps the heuristic's neighbourhood."""
+
+    def dist(c: LaunchConfig) -> float:
+        tiles = sum(abs(math.log2(getattr(c, f) / getattr(ref, f))) for f in ("block_m", "block_n", "block_k"))
+        return tiles + (c.group_m != ref.group_m) + (c.num_warps != ref.num_warps) + abs(c.num_stages - ref.num_stages)
+
+    return sorted(dict.fromkeys(cfgs), key=dist)
+
+
+def fmt_config(c: LaunchConfig) -> str:
+    """'BM,BN,BK,GROUP_M,warps,stages', as the logs and the summary print a config."""
+    return ",".join(str(v) for v in asdict(c).values())
