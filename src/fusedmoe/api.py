@@ -86,7 +86,7 @@ def fused_moe(
         _BY_IDENTITY[ident] = (config, scheme, platform, knobs, kernel)
     # after the oracle: a configuration no backend runs is refused before its inputs are looked at
     validate_call(x, topk.ids, topk.weights, weights, config, scheme, expert_map)
-    return kernel.forward_eager(x, topk, weights, expert_map=expert_map)
+    return kernel.forward_eager(x, topk, kernel.prepared(weights), expert_map=expert_map)
 
 
 def cached_kernel(

@@ -44,6 +44,7 @@ which H/I multiples it needs (``align``): the weights are padded once
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -217,7 +218,9 @@ class FusedMoE(torch.nn.Module):
         self.compute_scheme = self.scheme
         self._pad = (0, 0)
         self._layout = "reference"
-        self._shapes: dict[str, tuple[int, ...]] = {}
+        self._templates: dict = {}
+        self._params: dict[tuple[str, str], str] = {}
+        self._weights_cache = None
 
     # ---- parameters ------------------------------------------------------------------
     def _make_specs(self) -> dict[str, _Spec]:
@@ -505,52 +508,55 @@ class FusedMoE(torch.nn.Module):
         self.choice = choice
         return choice
 
+    # parameter names of a weight operand's tensors (``QTensor.tensors()`` keys), as checkpoints name them
+    _PARAM_SUFFIX = {"data": "weight", "scale": "weight_scale", "zero": "weight_zero_point",
+                     "global_scale": "weight_global_scale"}  # fmt: skip
+    _EXTRA_PARAMS = {"b13": "w13_bias", "b2": "w2_bias", "a1_scale": "w13_input_scale",
+                     "a2_scale": "w2_input_scale", "a1_global_scale": "w13_input_global_scale",
+                     "a2_global_scale": "w2_input_global_scale"}  # fmt: skip
+
     def _store(self, w: ExpertWeights) -> None:
-        """Replace the loading parameters by the converted tensors (same names, so ``.to()`` moves them)."""
+        """Replace the loading parameters by the converted tensors (so ``.to()`` moves them). Each
+        operand keeps a template: its class and non-tensor fields (a backend's layout may add
+        both), filled with the current parameters by ``expert_weights``."""
         for name in list(self._specs):
             delattr(self, name)
-        fields = {}
+        self._templates, self._params = {}, {}
         for prefix, q in (("w13", w.w13), ("w2", w.w2)):
-            self._shapes[prefix] = tuple(q.shape)
-            for key, suffix in (("data", "weight"), ("scale", "weight_scale"), ("zero", "weight_zero_point")):
-                fields[f"{prefix}_{suffix}"] = getattr(q, key)
-            fields[f"{prefix}_weight_global_scale"] = q.global_scale
-            fields[f"{prefix}_g_idx"] = q.g_idx
-        fields.update(w13_bias=w.b13, w2_bias=w.b2)
-        fields.update(w13_input_scale=w.a1_scale, w2_input_scale=w.a2_scale)
-        fields.update(w13_input_global_scale=w.a1_global_scale, w2_input_global_scale=w.a2_global_scale)
-        self._stored = [k for k, v in fields.items() if v is not None]
-        for k in self._stored:
-            self.register_parameter(k, torch.nn.Parameter(fields[k], requires_grad=False))
+            tensors = q.tensors()
+            # no tensor kept in the template: it would keep the pre-``.to()`` copy alive
+            blank = {k: (torch.empty(0) if k == "data" else None) for k in tensors}
+            self._templates[prefix] = dataclasses.replace(q, **blank)
+            for key, t in tensors.items():
+                self._params[(prefix, key)] = f"{prefix}_{self._PARAM_SUFFIX.get(key, key)}"
+                self.register_parameter(self._params[(prefix, key)], torch.nn.Parameter(t, requires_grad=False))
+        for key, name in self._EXTRA_PARAMS.items():
+            t = getattr(w, key)
+            if t is not None:
+                self._params[("", key)] = name
+                self.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
         self._layout = w.layout
+        self._weights_cache = None
 
     @property
     def expert_weights(self) -> ExpertWeights:
-        """The converted weights as the backend takes them (rebuilt from the parameters: cheap)."""
+        """The converted weights as the backend takes them: built from the parameters once, and again
+        only when a parameter object is replaced (moving the module keeps the objects: ``.to()``
+        changes their data in place), so a forward pays 16 attribute reads, not a rebuild."""
         expect(self.kernel is not None, "FusedMoE", "process_weights_after_loading() called first")
-        p = {k: getattr(self, k) for k in self._stored}
-
-        def q(prefix):
-            return QTensor(
-                p[f"{prefix}_weight"],
-                self._shapes[prefix],
-                scale=p.get(f"{prefix}_weight_scale"),
-                zero=p.get(f"{prefix}_weight_zero_point"),
-                global_scale=p.get(f"{prefix}_weight_global_scale"),
-                g_idx=p.get(f"{prefix}_g_idx"),
-            )
-
-        return ExpertWeights(
-            w13=q("w13"),
-            w2=q("w2"),
-            b13=p.get("w13_bias"),
-            b2=p.get("w2_bias"),
-            a1_scale=p.get("w13_input_scale"),
-            a2_scale=p.get("w2_input_scale"),
-            a1_global_scale=p.get("w13_input_global_scale"),
-            a2_global_scale=p.get("w2_input_global_scale"),
-            layout=self._layout,
-        )
+        params = tuple(getattr(self, name) for name in self._params.values())
+        cached = self._weights_cache
+        if cached is not None and all(a is b for a, b in zip(cached[0], params, strict=True)):
+            return cached[1]
+        by_key = dict(zip(self._params, params, strict=True))
+        ops = {
+            prefix: dataclasses.replace(t, **{k: v for (pf, k), v in by_key.items() if pf == prefix})
+            for prefix, t in self._templates.items()
+        }
+        extra = {key: by_key.get(("", key)) for key in self._EXTRA_PARAMS}
+        weights = ExpertWeights(w13=ops["w13"], w2=ops["w2"], layout=self._layout, **extra)
+        self._weights_cache = (params, weights)
+        return weights
 
     def _shared_hook(self) -> Callable[[torch.Tensor], torch.Tensor]:
         h, pad = self.config.hidden_size, self._pad[0]

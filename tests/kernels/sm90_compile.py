@@ -33,7 +33,7 @@ class Case:
     label: str
     scheme: str  # a QuantScheme name
     gemm: str  # gemm1 (A = x, gated act) | gemm2
-    cfg: tuple  # LaunchConfig fields
+    cfg: dict  # LaunchConfig fields
     act: str | None = None  # "silu" | "swigluoai_il" (interleaved, bias) | None
     out: str | None = None  # None | "g128" (dynamic fp8 groups) | "int8" (static)
     sorted_a: bool = False
@@ -42,8 +42,9 @@ class Case:
     specialized: bool = False  # warp specialization must have happened (12 warps)
 
 
-def _p(bm, bn, bk, warps, stages, **kw) -> tuple:
-    return (bm, bn, bk, 8, warps, stages, True, kw.get("ws", False), kw.get("flatten", True), kw.get("sub", 1))
+def _p(bm, bn, bk, warps, stages, **kw) -> dict:
+    return dict(block_m=bm, block_n=bn, block_k=bk, group_m=8, num_warps=warps, num_stages=stages, persistent=True,
+                warp_specialize=kw.get("ws", False), flatten=kw.get("flatten", True), epilogue_subtile=kw.get("sub", 1))  # fmt: skip
 
 
 CASES = [
@@ -151,7 +152,7 @@ def _operands(case: Case):
         q = quantize(x, sch.a1)
         a, a_scale = q.data, q.scale
     fmt = GemmFormat.of(sch.w1, sch.a1, n_w, kd)
-    cfg = fit_launch_config(LaunchConfig(*case.cfg), fmt.k_group, strict=fmt.native)
+    cfg = fit_launch_config(LaunchConfig(**case.cfg), fmt.k_group, strict=fmt.native)
     act = None
     if case.act is not None:
         quant = {"g128": TensorQuant(QDtype.FP8, Granularity.group(128), dynamic=True),

@@ -440,15 +440,16 @@ def test_supports():
 
 
 def test_launch_config_fields():
-    cfg = LaunchConfig.parse("128,256,64,8,8,3,1,1,0,2")
-    assert cfg == LaunchConfig(128, 256, 64, 8, 8, 3, True, True, False, 2)
+    cfg = LaunchConfig.parse("128,256,64,8,8,3,persistent=1,warp_specialize=1,flatten=0,epilogue_subtile=2")
+    assert cfg == LaunchConfig(128, 256, 64, 8, 8, 3, persistent=True, warp_specialize=True, flatten=False,
+                               epilogue_subtile=2)  # fmt: skip
     assert eval(repr(cfg)) == cfg
     assert LaunchConfig.parse("64,128,64,8,4,3") == LaunchConfig(64, 128, 64, 8, 4, 3)
     assert not LaunchConfig().persistent
     with pytest.raises(ValueError):
         LaunchConfig(epilogue_subtile=3)
     with pytest.raises(ValueError):
-        LaunchConfig.parse("64,128,64,8,4,3,1,1,1,1,1")
+        LaunchConfig.parse("64,128,64,8,4,3,1,1,1,1,1,1,1")
 
 
 @needs_triton

@@ -43,7 +43,9 @@ def llama4_routing(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torc
 class TinyModel(torch.nn.Module):
     """Linear -> FusedMoE (grouped sigmoid routing with a correction bias, or ``custom_fn``) -> Linear."""
 
-    def __init__(self, backend: str, device="cpu", dtype=torch.float32, h=H, i=I, e=E, k=K, custom_fn=None) -> None:
+    def __init__(
+        self, backend: str, device="cpu", dtype=torch.float32, h=H, i=I, e=E, k=K, custom_fn=None, scheme=None
+    ) -> None:
         super().__init__()
         g = torch.Generator().manual_seed(0)
         config = MoEConfig(num_experts=e, top_k=k, hidden_size=h, intermediate_size=i, dtype=dtype)
@@ -53,7 +55,8 @@ class TinyModel(torch.nn.Module):
         bias = torch.rand(e, generator=g) * 0.1
         if custom_fn is not None:
             router, bias = RouterConfig(e, k, custom_fn=custom_fn), None
-        self.moe = FusedMoE(config, router=router, backend=backend, correction_bias=bias)
+        quant = dict(scheme=scheme, online_quant=True) if scheme is not None else {}
+        self.moe = FusedMoE(config, router=router, backend=backend, correction_bias=bias, **quant)
         w13 = torch.randn(e, config.w13_rows, h, generator=g) * h**-0.5
         w2 = torch.randn(e, h, i, generator=g) * i**-0.5
         for x in range(e):
@@ -122,6 +125,19 @@ def test_model_compiles_without_graph_break(mode, backend, op_calls):
         for g in counter.graphs:
             op = torch.ops.fusedmoe.moe_forward
             assert any(node.target in (op, op.default) for node in g.graph.nodes)
+
+
+@pytest.mark.parametrize("scheme", ["int4_g128_actorder", "mxfp4"])
+def test_converted_4bit_weights_compile(scheme):
+    """A layer whose 4-bit weights were converted at load (the w4 layout, with act-order's column
+    permutation): the op gets tensors, not the layout's objects, and must rebuild them."""
+    torch._dynamo.reset()
+    model = TinyModel("triton", dtype=torch.bfloat16, h=128, i=128, scheme=QuantScheme.by_name(scheme)).eval()
+    assert model.moe.expert_weights.layout != "reference"
+    run = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        x = torch.randn(5, 128, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+        torch.testing.assert_close(run(x), model(x), rtol=0.0, atol=0.0)
 
 
 @pytest.mark.parametrize("mode", ["eager", "aot_eager", "inductor"])

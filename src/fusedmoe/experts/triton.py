@@ -33,15 +33,26 @@ reused workspace this matters more: such rows hold the previous call's values.
 Fused, such rows of a2 are never written and never read (GEMM2 reads the rows of
 local pairs only, ``moe_sum`` skips the others).
 
+4-bit weights with float activations (int4, MXFP4, NVFP4 as w4a16) are converted once at load
+(``prepare_weights``) into the w4 layout and run by their own kernel (``kernels.grouped_gemm_w4``):
+its configs come from ``w4_launch_config`` (measured per regime); at prefill GEMM1 and GEMM2 want
+different BM, so the pairs are aligned twice; at decode GEMM2 may split K, its fp32 partials
+[S, T*K, H] summed by ``moe_sum`` with the top-k sum (no launch of its own).
+
+Launch plans: the configs of both GEMMs (and GEMM2's split) for a pair count are worked out once
+and kept (``_plan``), so a call with a known T picks no config and builds no dataclass.
+
 Deterministic mode (``deterministic``; ``FUSEDMOE_DETERMINISTIC=1`` when built): the
 launch config does not depend on the token count (``pick_launch_config``), so every
 token meets the same tiles and K-loop order whatever batch it is in. Nothing else
 here depends on T: no kernel reduces with atomic adds (the sum over top-k is
 ``moe_sum``, in k order; the only atomic is an order-free ``atomic_max`` for a
-per-tensor dynamic scale) and there is no split-K.
+per-tensor dynamic scale) and no split-K (the w4 configs of this mode never split).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -50,11 +61,14 @@ from ..contract import TokenLayout, WeightedReduce, Workspace, quantized_layout,
 from ..kernels._common import interpreting
 from ..kernels.act_quant import act_and_quantize
 from ..kernels.align import moe_align
-from ..kernels.gemm_format import ActEpilogue, scheme_key
+from ..kernels.gemm_format import ActEpilogue, GemmFormat, scheme_key
 from ..kernels.grouped_gemm import grouped_gemm, grouped_gemm_batched
-from ..kernels.launch_config import gated_act_config, pick_launch_config
+from ..kernels.grouped_gemm_w4 import supports as w4_supports
+from ..kernels.grouped_gemm_w4 import w4_gemm_launch, w4_launch_config
+from ..kernels.launch_config import LaunchConfig, gated_act_config, pick_launch_config
 from ..kernels.moe_sum import moe_sum
 from ..quant import Operand, QTensor
+from ..quant.w4_layout import convertible, from_w4_weights, is_w4, to_w4_weights
 from .base import ALL_SCHEMES, Capabilities, Experts
 
 # Under the interpreter the kernels also run on the CPU (CI checks them there).
@@ -84,6 +98,22 @@ def _a2_out(ws, tq, rows: int, cols: int, device) -> QTensor | torch.Tensor | No
     return QTensor(data, (rows, cols), scale=scale)
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """How one call of a given pair count runs: GEMM1's config as launched (BN halved under a
+    fused gated activation), GEMM2's, and whether the two align alike."""
+
+    lc1: LaunchConfig
+    lc2: LaunchConfig
+
+    @property
+    def same_blocks(self) -> bool:
+        return self.lc1.block_m == self.lc2.block_m
+
+
+_PLANS_KEPT = 64  # distinct pair counts planned per experts instance (prefill lengths vary)
+
+
 class _TritonBase(Experts):
     # Deterministic mode: launch configs chosen without looking at the token count
     # (see the module docstring). MoEKernel(deterministic=...) sets it too.
@@ -96,6 +126,46 @@ class _TritonBase(Experts):
         self.deterministic = env.deterministic()
         self.fuse_act = env.fuse_act()
         self._epilogue = ActEpilogue.of(config, scheme.a2) if ActEpilogue.supports(scheme.a2) else None
+        self._plans: dict[tuple, _Plan] = {}
+        # 4-bit weights the w4 kernel runs (converted by prepare_weights); None: why not
+        why = w4_supports(scheme.w1, scheme.a1, config.dtype) or w4_supports(scheme.w2, scheme.a2, config.dtype)
+        self._w4 = why is None
+
+    def prepare_weights(self, weights):
+        """4-bit weights into the w4 layout (once), where the w4 kernel runs them; else as given."""
+        if not self._w4 or weights.layout != "reference":
+            return weights
+        sch = self.scheme
+        if convertible(sch.w1, weights.w13) or convertible(sch.w2, weights.w2):
+            return weights  # e.g. groups that are not a power of 2: the reference kernel runs them
+        return to_w4_weights(weights, sch)
+
+    def restore_weights(self, weights):
+        return from_w4_weights(weights) if is_w4(weights.w13) else weights
+
+    def _plan(self, rows: int, e_l: int, w13, w2) -> _Plan:
+        """The launch configs of a call of ``rows`` pairs (or batched rows), worked out once."""
+        w4 = is_w4(w13)
+        key = (rows, e_l, w4, self.deterministic, self.fuse_act)
+        plan = self._plans.get(key)
+        if plan is None:
+            cfg, sch, ep = self.config, self.scheme, self.act_epilogue()
+            gated = ep is not None and ep.activation.is_gated
+            h, i, n1 = cfg.hidden_size, cfg.intermediate_size, cfg.w13_rows
+            if w4:
+                det = self.deterministic
+                lc1 = w4_launch_config(rows, e_l, n1, h, w13, gated=gated, deterministic=det)
+                lc2 = w4_launch_config(rows, e_l, h, i, w2, deterministic=det)
+            else:
+                lc1 = self._launch_config(rows, e_l, n1, h, sch.w1, sch.a1)
+                lc2 = self._launch_config(rows, e_l, h, i, sch.w2, sch.a2)
+                if self.layout is TokenLayout.STANDARD:  # aligned once, with GEMM1's BM: GEMM2 is tuned under it
+                    lc2 = replace(lc2, block_m=lc1.block_m)
+            plan = _Plan(gated_act_config(lc1) if gated else lc1, lc2)
+            if len(self._plans) >= _PLANS_KEPT:
+                self._plans.clear()
+            self._plans[key] = plan
+        return plan
 
     def act_epilogue(self) -> ActEpilogue | None:
         """GEMM1's fused activation, or None: GEMM1 writes h and act_and_quantize follows."""
@@ -109,10 +179,6 @@ class _TritonBase(Experts):
 
     def _launch_config(self, rows: int, e_l: int, n: int, k: int, w_quant, a_quant):
         return pick_launch_config(rows, e_l, n, k, scheme_key(w_quant, a_quant), deterministic=self.deterministic)
-
-    def _gemm1_config(self, lc, ep: ActEpilogue | None):
-        """GEMM1's launch config: with a gated fused activation BN counts output columns."""
-        return gated_act_config(lc) if ep is not None and ep.activation.is_gated else lc
 
     def _gemm1_act(self, a, weights, ep: ActEpilogue, rows: int, workspace, gemm, **kw) -> QTensor:
         """a2 [rows, I] straight from GEMM1 (``gemm`` is the standard or batched op)."""
@@ -159,34 +225,37 @@ class TritonExperts(_TritonBase):
         dev = a.data.device
         e_l = weights.num_experts
         pairs = t * k
-        lc = self._launch_config(pairs, e_l, cfg.w13_rows, cfg.hidden_size, sch.w1, sch.a1)
+        plan = self._plan(pairs, e_l, weights.w13, weights.w2)
         ids = topk.ids.to(torch.int32)  # the align kernel takes int32; routers may give int64
-        routing = moe_align(ids, e_l, lc.block_m, expert_map)
+        routing = moe_align(ids, e_l, plan.lc1.block_m, expert_map)
         ep = self.act_epilogue()
         if ep is not None:
-            lc1 = self._gemm1_config(lc, ep)
-            a2 = self._gemm1_act(a, weights, ep, pairs, workspace, grouped_gemm, routing=routing, a_div=k, config=lc1)
+            kw = dict(routing=routing, a_div=k, config=plan.lc1)
+            a2 = self._gemm1_act(a, weights, ep, pairs, workspace, grouped_gemm, **kw)
         else:
             h = take(workspace, "h", (pairs, cfg.w13_rows), cfg.dtype, dev)
             if expert_map is not None:
                 h.zero_()
             w13 = Operand(weights.w13, sch.w1)
-            grouped_gemm(Operand(a, sch.a1), w13, routing, bias=weights.b13, a_div=k, out=h, config=lc)
+            grouped_gemm(Operand(a, sch.a1), w13, routing, bias=weights.b13, a_div=k, out=h, config=plan.lc1)
             a2_out = _a2_out(workspace, sch.a2, pairs, cfg.intermediate_size, dev)
             a2 = act_and_quantize(h, cfg, sch.a2, out=a2_out, **weights.act_scales("a2", sch.a2))
             a2 = a2 if isinstance(a2, QTensor) else QTensor(a2, tuple(a2.shape))
+        if not plan.same_blocks:  # the w4 kernel's prefill: GEMM2 takes a larger BM than GEMM1
+            routing = moe_align(ids, e_l, plan.lc2.block_m, expert_map)
         y = take(workspace, "y", (pairs, cfg.hidden_size), cfg.dtype, dev)
-        lc2 = self._launch_config(pairs, e_l, cfg.hidden_size, cfg.intermediate_size, sch.w2, sch.a2)
-        grouped_gemm(
-            Operand(a2, sch.a2),
-            Operand(weights.w2, sch.w2),
-            routing,
-            bias=weights.b2,
-            topk_weights=None if cfg.apply_router_weight_on_input else topk.weights,
-            out=y,
-            config=lc2,
-        )
-        moe_sum(y.view(t, k, -1), out, topk_ids=ids, expert_map=expert_map)
+        a2, w2 = Operand(a2, sch.a2), Operand(weights.w2, sch.w2)
+        route_w = None if cfg.apply_router_weight_on_input else topk.weights
+        if plan.lc2.split_k > 1:
+            # split-K partials [S, T*K, H] (router weight applied): moe_sum adds them up with the top-k sum
+            fmt = GemmFormat.of(sch.w2, sch.a2, cfg.hidden_size, cfg.intermediate_size)
+            p = w4_gemm_launch(
+                a2, w2, y, fmt, plan.lc2, routing=routing, bias=weights.b2, route_weights=route_w, reduce=False
+            )
+            y = y if p is None else p
+        else:
+            grouped_gemm(a2, w2, routing, bias=weights.b2, topk_weights=route_w, out=y, config=plan.lc2)
+        moe_sum(y.view(*y.shape[:-2], t, k, -1), out, topk_ids=ids, expert_map=expert_map)
 
 
 class TritonBatchedExperts(_TritonBase):
@@ -211,15 +280,16 @@ class TritonBatchedExperts(_TritonBase):
         e_l, m = a.shape[0], a.shape[1]
         dev = a.data.device
         rows = e_l * m
-        lc = self._launch_config(rows, e_l, cfg.w13_rows, cfg.hidden_size, sch.w1, sch.a1)
+        plan = self._plan(rows, e_l, weights.w13, weights.w2)
         ep = self.act_epilogue()
         if ep is not None:
-            lc1 = self._gemm1_config(lc, ep)
-            a2 = self._gemm1_act(a, weights, ep, rows, workspace, grouped_gemm_batched, counts=counts, config=lc1)
+            kw = dict(counts=counts, config=plan.lc1)
+            a2 = self._gemm1_act(a, weights, ep, rows, workspace, grouped_gemm_batched, **kw)
         else:
             h = take(workspace, "h", (rows, cfg.w13_rows), cfg.dtype, dev).zero_()
             w13 = Operand(weights.w13, sch.w1)
-            grouped_gemm_batched(Operand(a, sch.a1), w13, counts, bias=weights.b13, out=h.view(e_l, m, -1), config=lc)
+            h3 = h.view(e_l, m, -1)
+            grouped_gemm_batched(Operand(a, sch.a1), w13, counts, bias=weights.b13, out=h3, config=plan.lc1)
             a2_out = _a2_out(workspace, sch.a2, rows, cfg.intermediate_size, dev)
             a2 = act_and_quantize(h, cfg, sch.a2, out=a2_out, **weights.act_scales("a2", sch.a2))
         i = cfg.intermediate_size
@@ -235,5 +305,5 @@ class TritonBatchedExperts(_TritonBase):
             counts,
             bias=weights.b2,
             out=out,
-            config=self._launch_config(rows, e_l, cfg.hidden_size, i, sch.w2, sch.a2),
+            config=plan.lc2,
         )

@@ -48,10 +48,12 @@ from ..activations import apply_activation
 from ..errors import expect
 from ..metadata import AlignedRouting
 from ..quant import Operand, dequantize, fake_quantize, quantize
+from ..quant.w4_layout import is_w4
 from . import grouped_gemm_persistent as _persistent
 from ._common import interpreting
 from ._grouped_gemm import _grouped_gemm_kernel
 from .gemm_format import _OUT_QUANT, _TL_DTYPE, ActEpilogue, GemmFormat, _strides, _u8, scheme_key
+from .grouped_gemm_w4 import w4_gemm_launch
 from .launch import launch
 from .launch_config import LaunchConfig, fit_launch_config, gated_act_config, pick_launch_config
 
@@ -78,6 +80,12 @@ def grouped_gemm_launch(
     columns of the activation output C. ``cfg.persistent``: the persistent TMA kernel
     (``grouped_gemm_persistent``) where it serves the call, else this one.
     """
+    if is_w4(w.q):  # converted at load (quant.w4_layout): the 4-bit kernel
+        w4_gemm_launch(
+            a, w, c, fmt, cfg, routing=routing, counts=counts, a_div=a_div, bias=bias, route_weights=route_weights,
+            act=act, act_scale=act_scale,
+        )  # fmt: skip
+        return
     if cfg.persistent:
         pk = _persistent
         served = pk.supports(fmt, act, a=a.data, w=w.q, c=c, cfg=cfg, routing=routing) is None

@@ -3,8 +3,8 @@
 Where a config comes from, first match wins:
 
 1. ``override_launch_config(cfg)`` (a context manager, for tests and the tuner);
-2. ``FUSEDMOE_LAUNCH_CONFIG="BM,BN,BK,GROUP_M,WARPS,STAGES[,PERSISTENT,WS,FLATTEN,SUBTILE]"``
-   in the environment;
+2. ``FUSEDMOE_LAUNCH_CONFIG="BM,BN,BK,GROUP_M,WARPS,STAGES[,field=value...]"`` in the
+   environment (e.g. ``"128,256,64,8,8,3,persistent=1"``, ``"1,32,256,1,4,4,split_k=4,w_major=1"``);
 3. tuned JSON files for this GPU and GEMM shape (``tuned_configs``: ``FUSEDMOE_CONFIG_DIR``,
    then the package's ``configs/``), the entry nearest to the call's pair count;
 4. ``default_launch_config``: a heuristic on the problem shape.
@@ -36,6 +36,13 @@ class LaunchConfig:
     block_n / block_k: BN, BK, powers of 2 >= 16. group_m: M tiles walked together for L2
     reuse of W.
 
+    Read by the 4-bit weight kernel only (``grouped_gemm_w4``; the other kernels ignore them):
+    split_k: programs sharing one output tile along K, each writing an fp32 partial tile that
+    ``moe_sum`` (or a reduce kernel) sums in a fixed order; 1 = no split. w_major: 1 puts the
+    weight tile first: the dot computes C^T = W @ A^T (the dequantized W tile feeds the tensor
+    cores from registers), and at BM = 1 the FMA path keeps a partial sum per K position, reduced
+    once after the K loop.
+
     The persistent TMA-fed kernel (``grouped_gemm_persistent``, prefill on Hopper) runs
     instead of the one-program-per-tile kernel when ``persistent`` is set and it serves the
     call; its knobs, ignored otherwise: ``warp_specialize`` (``tl.range(...,
@@ -51,6 +58,8 @@ class LaunchConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    split_k: int = 1
+    w_major: int = 0
     persistent: bool = False
     warp_specialize: bool = False
     flatten: bool = True
@@ -67,25 +76,29 @@ class LaunchConfig:
         for f in ("block_n", "block_k"):
             v = getattr(self, f)
             expect(v >= 16 and v & (v - 1) == 0, f"LaunchConfig.{f}", "a power of 2 >= 16", v)
-        for f in ("group_m", "num_warps", "num_stages"):
+        for f in ("group_m", "num_warps", "num_stages", "split_k"):
             expect(getattr(self, f) >= 1, f"LaunchConfig.{f}", ">= 1", getattr(self, f))
+        expect(self.w_major in (0, 1), "LaunchConfig.w_major", "0 or 1", self.w_major)
         expect(self.epilogue_subtile in (1, 2), "LaunchConfig.epilogue_subtile", "1 or 2", self.epilogue_subtile)
 
     @classmethod
     def parse(cls, text: str) -> LaunchConfig:
-        """``"64,128,64,8,4,3"`` -> LaunchConfig(64, 128, 64, 8, 4, 3); the persistent kernel's
-        fields may follow, in order, as integers (0/1 for the flags): ``"128,256,64,8,8,3,1,0,1,2"``."""
+        """``"64,128,64,8,4,3"`` -> LaunchConfig(64, 128, 64, 8, 4, 3). More fields may follow, in
+        field order or as ``name=value`` (booleans as 0/1): ``"128,256,64,8,8,3,persistent=1"``."""
         parts = [p.strip() for p in text.split(",")]
-        flds = fields(cls)
-        names = [f.name for f in flds]
-        expect(
-            _TILE_FIELDS <= len(parts) <= len(names) and all(p.isdigit() for p in parts),
-            env.LAUNCH_CONFIG,
-            f"{_TILE_FIELDS} to {len(names)} comma-separated integers ({','.join(names)})",
-            text,
+        flds = {f.name: f for f in fields(cls)}
+        names = list(flds)
+        what = (
+            f"{_TILE_FIELDS} comma-separated integers ({','.join(names[:_TILE_FIELDS])}), then more in field "
+            f"order or as name=value ({', '.join(names[_TILE_FIELDS:])})"
         )
-        vals = [bool(int(p)) if f.type in (bool, "bool") else int(p) for f, p in zip(flds, parts, strict=False)]
-        return cls(*vals)
+        vals: dict = {}
+        for i, p in enumerate(parts):
+            name, _, v = p.rpartition("=") if "=" in p else (names[i] if i < len(names) else "", "", p)
+            ok = name in flds and name not in vals and v.isdigit() and (i >= _TILE_FIELDS or "=" not in p)
+            expect(ok and len(parts) >= _TILE_FIELDS, env.LAUNCH_CONFIG, what, text)
+            vals[name] = bool(int(v)) if flds[name].type in (bool, "bool") else int(v)
+        return cls(**vals)
 
 
 _TILE_FIELDS = 6  # block_m .. num_stages: what every config string gives
@@ -102,6 +115,12 @@ def override_launch_config(cfg: LaunchConfig) -> Iterator[LaunchConfig]:
         yield cfg
     finally:
         _OVERRIDE.pop()
+
+
+def overridden() -> bool:
+    """A config is pinned (``override_launch_config`` or ``FUSEDMOE_LAUNCH_CONFIG``): it wins over
+    every table and heuristic, the 4-bit kernel's too."""
+    return bool(_OVERRIDE) or env.raw(env.LAUNCH_CONFIG) is not None
 
 
 def default_launch_config(m_pairs: int, num_experts: int, n: int, k: int, scheme_key: str) -> LaunchConfig:

@@ -5,6 +5,10 @@ weight when asked to); this kernel reduces them in a fixed order (k = 0..K-1, fp
 so the result is deterministic, unlike an atomic scatter-add. With ``expert_map``,
 pairs whose expert is not local are skipped, so their rows of ``c`` never need to be
 zero-filled.
+
+A split-K GEMM2 (``grouped_gemm_w4``, ``LaunchConfig.split_k`` = S) writes S fp32 partial
+rows per pair instead, c [S, T, K, H]; the same launch then sums over k and s (k outer,
+s inner, fp32), so split-K costs no launch of its own and stays deterministic.
 """
 
 from __future__ import annotations
@@ -27,12 +31,14 @@ def _moe_sum_kernel(
     T,
     H,
     E_G,
+    stride_cs,
     stride_ct,
     stride_ck,
     stride_ch,
     stride_ot,
     stride_oh,
     K: tl.constexpr,
+    SPLITS: tl.constexpr,
     HAS_MAP: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -50,7 +56,8 @@ def _moe_sum_kernel(
             local = tl.load(map_ptr + e, mask=row_ok & (e >= 0) & (e < E_G), other=-1)
             ok = ok & (local >= 0)[:, None]
         ptrs = c_ptr + r64[:, None] * stride_ct + k * stride_ck + cols[None, :] * stride_ch
-        acc += tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
+        for s in tl.static_range(SPLITS):
+            acc += tl.load(ptrs + s * stride_cs, mask=ok, other=0.0).to(tl.float32)
     o_ptrs = out_ptr + r64[:, None] * stride_ot + cols[None, :] * stride_oh
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -61,7 +68,8 @@ def moe_sum_launch(
     topk_ids: torch.Tensor | None = None,
     expert_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    t, k, h = c.shape
+    c4 = c if c.dim() == 4 else c.unsqueeze(0)
+    splits, t, k, h = c4.shape
     if t == 0 or h == 0:
         return out
     has_map = expert_map is not None
@@ -79,9 +87,10 @@ def moe_sum_launch(
         t,
         h,
         expert_map.shape[0] if has_map else 0,
-        *c.stride(),
+        *c4.stride(),
         *out.stride(),
         K=k,
+        SPLITS=splits,
         HAS_MAP=has_map,
         BLOCK_T=bt,
         BLOCK_H=bh,
@@ -98,10 +107,10 @@ def moe_sum(
     expert_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out [T, H] = sum over k of c [T, K, H] (fp32 accumulation, output in ``out``'s or
-    c's dtype). With ``expert_map`` [E] and ``topk_ids`` [T, K], pairs mapped to -1 are
-    skipped."""
-    expect(c.dim() == 3, "c", "a [T, K, H] tensor", tuple(c.shape))
-    t, k, h = c.shape
+    c's dtype), or over k and s of split-K partials c [S, T, K, H]. With ``expert_map`` [E]
+    and ``topk_ids`` [T, K], pairs mapped to -1 are skipped."""
+    expect(c.dim() in (3, 4), "c", "a [T, K, H] tensor or [S, T, K, H] split-K partials", tuple(c.shape))
+    t, k, h = c.shape[-3:]
     if expert_map is not None:
         expect(topk_ids is not None and tuple(topk_ids.shape) == (t, k), "topk_ids", f"[{t}, {k}] with expert_map")
     if out is None:
@@ -121,6 +130,8 @@ def moe_sum_ref(
 ) -> torch.Tensor:
     """``moe_sum`` in PyTorch, in ``dtype``."""
     x = c.to(dtype)
+    if x.dim() == 4:  # split-K partials [S, T, K, H]
+        x = x.sum(dim=0)
     if expert_map is not None:
         ids = topk_ids.long()
         ok = (ids >= 0) & (ids < expert_map.shape[0])

@@ -33,6 +33,7 @@ no mode can avoid; schemes with token, group or static scales are batch-invarian
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -88,13 +89,29 @@ class MoEKernel:
         experts.deterministic = deterministic
         self._buffers: dict[str, dict[str, torch.Tensor]] | None = None
         self.choice = None  # the oracle's Choice when built by ``oracle.build_kernel``
+        self._prepared: dict[int, tuple] = {}
         self.name = register_kernel(self, name)
+
+    def prepared(self, weights: ExpertWeights) -> ExpertWeights:
+        """``weights`` in the experts' layout (``Experts.prepare_weights``): converted once per weights
+        object and kept while that object lives, so a functional caller (``fused_moe``) that passes
+        reference-layout weights pays the conversion once, not per call. The copy costs the
+        memory of the converted weights (4-bit: about the same as the originals); the ``FusedMoE``
+        layer converts in place instead."""
+        hit = self._prepared.get(id(weights))
+        if hit is not None and hit[0]() is weights:
+            return hit[1]
+        converted = self.experts.prepare_weights(weights)
+        if converted is not weights:
+            key = id(weights)
+            self._prepared[key] = (weakref.ref(weights, lambda _: self._prepared.pop(key, None)), converted)
+        return converted
 
     # A copy (deepcopy of a model, unpickling) is a new kernel: it registers under a fresh
     # name, or compiled graphs of the copy would call the original. Buffers are not copied
     # (a CUDA graph captured the original's addresses); ``allocate`` again.
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_buffers": None, "name": None}
+        return {**self.__dict__, "_buffers": None, "name": None, "_prepared": {}}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)

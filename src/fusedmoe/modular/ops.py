@@ -28,6 +28,8 @@ import torch
 from ..errors import expect
 from ..metadata import TopK
 from ..quant import QTensor
+from ..quant.w4_layout import LAYOUT as W4_LAYOUT
+from ..quant.w4_layout import as_w4
 from ..weights import ExpertWeights
 
 _KERNELS: "weakref.WeakValueDictionary[str, object]" = weakref.WeakValueDictionary()
@@ -74,6 +76,8 @@ def moe_forward(
     w2_zero: torch.Tensor | None,
     w2_global_scale: torch.Tensor | None,
     w2_g_idx: torch.Tensor | None,
+    w13_perm: torch.Tensor | None,
+    w2_perm: torch.Tensor | None,
     b13: torch.Tensor | None,
     b2: torch.Tensor | None,
     a1_scale: torch.Tensor | None,
@@ -89,9 +93,14 @@ def moe_forward(
 
     Shared experts are not part of the op: the compiled graph adds them (so Dynamo traces them).
     """
+    k = registered_kernel(kernel)
+    q13 = QTensor(w13, tuple(w13_shape), w13_scale, w13_zero, w13_global_scale, w13_g_idx)
+    q2 = QTensor(w2, tuple(w2_shape), w2_scale, w2_zero, w2_global_scale, w2_g_idx)
+    if layout == W4_LAYOUT:  # converted at load: the 4-bit kernel needs its layout's metadata back
+        q13, q2 = as_w4(q13, k.scheme.w1, w13_perm), as_w4(q2, k.scheme.w2, w2_perm)
     weights = ExpertWeights(
-        w13=QTensor(w13, tuple(w13_shape), w13_scale, w13_zero, w13_global_scale, w13_g_idx),
-        w2=QTensor(w2, tuple(w2_shape), w2_scale, w2_zero, w2_global_scale, w2_g_idx),
+        w13=q13,
+        w2=q2,
         b13=b13,
         b2=b2,
         a1_scale=a1_scale,
@@ -100,7 +109,6 @@ def moe_forward(
         a2_global_scale=a2_global_scale,
         layout=layout,
     )
-    k = registered_kernel(kernel)
     return k.forward_eager(x, TopK(topk_ids, topk_weights), weights, expert_map=expert_map, shared=False)
 
 
@@ -121,6 +129,8 @@ def moe_forward_args(
         topk.weights,
         *(getattr(weights.w13, f) for f in _QFIELDS),
         *(getattr(weights.w2, f) for f in _QFIELDS),
+        getattr(weights.w13, "perm", None),
+        getattr(weights.w2, "perm", None),
         *(getattr(weights, f) for f in _EXTRAS),
         expert_map,
         list(weights.w13.shape),

@@ -1,0 +1,515 @@
+"""The 4-bit weight x float activation grouped GEMM (``grouped_gemm_w4.py`` has the contract).
+
+Weights come in the w4 layout (``quant.w4_layout``): along K, blocks of PK columns whose byte j
+holds column j (low nibble) and column PK/2 + j (high nibble). One program computes a BM x BN
+tile of C = A_rows @ W[e]^T for one expert e (row mapping as in ``_grouped_gemm``: aligned
+blocks of ``sorted_ids``, or rows of one expert's batched slab), over its share of K:
+
+    for each K step of BK (a multiple of PK), for each block of PK columns in it:
+        bytes  = W[e][cols, block] as uint8                 [BN, PK/2], K contiguous
+        lo, hi = bytes & 0xF, bytes >> 4                    two [BN, PK/2] code tiles, no shuffle
+        W_lo, W_hi = dequantized with one scale per row each (a half lies inside one group,
+                     or covers whole groups: then scales are broadcast per group)
+        acc   += W_lo x A[:, lo half] + W_hi x A[:, hi half]
+
+Dequantization is bit placement and one FMA per weight with per-row constants, no table
+lookup and no int -> float conversion (``_w4_raw``, ``_w4_affine``): an int4 code c becomes
+the fp32 1 + c/16 (c shifted into the top mantissa bits of 1.0), and (c - zero) * scale =
+raw * 16 scale - (16 + zero) * scale; an e2m1 code becomes fp16 bits equal to value * 2^-14
+(``_common.e2m1_to_f32``'s placement) and 2^14 is folded into the per-row scale.
+
+How the two tiles meet (constexpr ``MODE``; H100 numbers from ``scripts/kbench_w4.py``):
+
+* "dot": acc [BM, BN] += A [BM, h] @ W^T [h, BN] (tensor cores; W transposed into the B slot,
+  which Hopper's wgmma reads from shared memory: the dequantized tile is stored there).
+* "swap": acc [BN, BM] += W [BN, h] @ A^T [h, BM]. The dequantized W tile is the left operand,
+  which wgmma can take from registers as produced (K contiguous, no transpose, no store to
+  shared memory); A^T goes through shared memory, as loads do anyway. BM becomes the MMA's
+  N (16..256), BN its M (64 per warpgroup), so small BM stays efficient. Prefill: Mixtral int4
+  GEMM2 at T = 4096, BM 128 x BN 128: 3.18 ms swap vs 3.99 ms dot; BM 256 (swap only, the
+  accumulator being [BN, BM]) 2.44 ms. At BM 16 "dot" wins for the e2m1 formats.
+* "fma" (BM 1..8, decode): fp32 multiply-reduce per A row (``_grouped_gemm._fma_rows``).
+  BM 4 and 8 were 5-10x slower than a BM 16 dot tile: kept for correctness only.
+* "fma1" (BM 1): acc [BN, h] += W * a: fp32 partial sums kept per K position, reduced over K
+  once after the loop instead of a cross-thread reduction per K step (Mixtral int4 GEMM2 at
+  T = 1: 102 vs 128 us). The FMA modes step one pack block at a time with that block's loads
+  issued one step ahead (``_w4_fma_loads``): Triton pipelines only loads that feed tl.dot.
+
+Act-order on the tensor cores: A's columns are permuted per expert into the weights' sorted
+K order first (``_w4_permute_a_kernel``, a row per aligned slot), so the GEMM reads A rows
+with vector loads; the FMA path gathers A's columns through ``perm`` in its tile loads.
+
+Split-K (``SPLIT_K`` > 1, grid axis 1): program s walks K range [s*K_SPLIT, (s+1)*K_SPLIT)
+and stores fp32 partial tiles (global scale applied; the bias added by split 0 only; the
+router weight applied when there is no activation, since it is linear) into P[s]; the sum
+over s is done in a fixed order by ``moe_sum`` (GEMM2) or ``_w4_reduce_kernel`` (which
+finishes the epilogue: activation, router weight, output quantization).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._common import apply_act, quant_linear
+from ._grouped_gemm import _decode_scale, _fma_rows
+
+
+@triton.jit
+def _w4_tile_ids(pid, num_m_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row block, column block) of program ``pid``: GROUP_M row blocks per column block walked
+    together, so consecutive programs share W[e]'s columns in L2."""
+    num_n = tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * num_n
+    first_m = (pid // in_group) * GROUP_M
+    rows = tl.minimum(num_m_blocks - first_m, GROUP_M)
+    local = pid % in_group
+    return first_m + local % rows, local // rows
+
+
+@triton.jit
+def _w4_rows(
+    pid_m, sorted_ids_ptr, block_expert_ptr, counts_ptr, num_pairs, a_div, m_max, blocks_per_expert,
+    BATCHED: tl.constexpr, BLOCK_M: tl.constexpr, A_SLOT: tl.constexpr = False,
+):  # fmt: skip
+    """(expert, idle, row_ok, A rows, C rows) of row block ``pid_m``; ``idle``: nothing to do.
+    A_SLOT (standard layout): A has a row per aligned slot (``_w4_permute_a_kernel``'s output)."""
+    if BATCHED:
+        e = pid_m // blocks_per_expert
+        m0 = (pid_m % blocks_per_expert) * BLOCK_M
+        count = tl.minimum(tl.load(counts_ptr + e), m_max)
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < count
+        a_rows = offs_m.to(tl.int64)
+        return e.to(tl.int64), m0 >= count, row_ok, a_rows, a_rows
+    else:
+        e = tl.load(block_expert_ptr + pid_m)
+        slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        ids = tl.load(sorted_ids_ptr + slots)
+        row_ok = ids < num_pairs
+        if A_SLOT:
+            a_rows = slots.to(tl.int64)
+        else:
+            a_rows = (ids // a_div).to(tl.int64)
+        return e.to(tl.int64), e < 0, row_ok, a_rows, ids.to(tl.int64)
+
+
+@triton.jit
+def _w4_cols(pid_n, N, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Output columns of block ``pid_n`` and the W rows (gate, up) that feed them."""
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if GATED and INTERLEAVED:
+        return offs_n, offs_n < N, 2 * offs_n, 2 * offs_n + 1
+    elif GATED:
+        return offs_n, offs_n < N, offs_n, offs_n + N
+    else:
+        return offs_n, offs_n < N, offs_n, offs_n
+
+
+@triton.jit
+def _w4_affine(
+    ws_rows, wz_rows, ok, kh, stride_wsk,
+    W_FMT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, HAS_ZERO: tl.constexpr, R: tl.constexpr,
+):  # fmt: skip
+    """(S, B) of the half block at column ``kh``: its weights are raw * S + B (``_w4_raw``), fp32,
+    [R, 1] when the half lies in one group, else [R, HALF] (whole groups, broadcast).
+
+    int4: raw = 1 + c/16, so (c - zero) * scale = raw * 16 scale - (16 + zero) * scale. e2m1:
+    raw = value * 2^-14, S = scale * 2^14, B = 0.
+    """
+    if HALF <= GROUP:
+        g = kh // GROUP
+        s = _decode_scale(tl.load(ws_rows + g * stride_wsk, mask=ok, other=0), W_FMT)[:, None]
+        if HAS_ZERO:
+            z = tl.load(wz_rows + g * stride_wsk, mask=ok, other=0).to(tl.float32)[:, None]
+    else:
+        NG: tl.constexpr = HALF // GROUP
+        g = kh // GROUP + tl.arange(0, NG)
+        s = _decode_scale(tl.load(ws_rows[:, None] + g[None, :] * stride_wsk, mask=ok[:, None], other=0), W_FMT)
+        s = tl.reshape(tl.broadcast_to(s[:, :, None], [R, NG, GROUP]), [R, HALF])
+        if HAS_ZERO:
+            z = tl.load(wz_rows[:, None] + g[None, :] * stride_wsk, mask=ok[:, None], other=0).to(tl.float32)
+            z = tl.reshape(tl.broadcast_to(z[:, :, None], [R, NG, GROUP]), [R, HALF])
+    if W_FMT == "int4":
+        if HAS_ZERO:
+            return s * 16.0, -(16.0 + z) * s
+        else:
+            return s * 16.0, s * -24.0
+    else:
+        return s * 16384.0, 0.0
+
+
+@triton.jit
+def _w4_raw(byte, HIGH: tl.constexpr, W_FMT: tl.constexpr):
+    """fp32 raw values of the low or high nibbles of ``byte`` (int32 0..255), by bit placement.
+
+    int4 code c: the fp32 1 + c/16 (c in the top four mantissa bits of 1.0): a shift and one
+    and-or, and ``_w4_affine``'s S and B make c - zero times the scale in one FMA, with no
+    int -> float conversion. e2m1: sign to fp16's bit 15, the three magnitude bits to bits 9-11
+    (value * 2^-14, exact; ``_common.e2m1_to_f32``'s placement), then fp16 -> fp32.
+    """
+    if W_FMT == "int4":
+        if HIGH:
+            bits = (byte << 15) & 0x780000
+        else:
+            bits = (byte << 19) & 0x780000
+        return (bits | 0x3F800000).to(tl.float32, bitcast=True)
+    else:
+        if HIGH:
+            bits = ((byte & 0x80) << 8) | ((byte & 0x70) << 5)
+        else:
+            bits = ((byte & 0x8) << 12) | ((byte & 0x7) << 9)
+        return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _w4_bytes(w_base, cols, ok, kb, stride_wn, stride_wk, HALF: tl.constexpr):
+    """The [R, HALF] byte tile (int32) of W rows ``cols`` for the pack block at column ``kb``."""
+    kbyte = kb // 2 + tl.arange(0, HALF)
+    byte = tl.load(w_base + cols[:, None] * stride_wn + kbyte[None, :] * stride_wk, mask=ok[:, None], other=0)
+    return byte.to(tl.int32)
+
+
+@triton.jit
+def _w4_decode(
+    byte, ws_base, wz_base, cols, ok, kb, stride_wsn, stride_wsk,
+    W_FMT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, HAS_ZERO: tl.constexpr, R: tl.constexpr,
+):  # fmt: skip
+    """The byte tile of the pack block at ``kb`` as the raw values of its low and high halves with
+    their affine maps: (v_lo, S_lo, B_lo, v_hi, S_hi, B_hi), weights = v * S + B."""
+    ws_rows = ws_base + cols * stride_wsn
+    wz_rows = wz_base + cols * stride_wsn  # zero points share the scale's shape and strides
+    s_lo, b_lo = _w4_affine(ws_rows, wz_rows, ok, kb, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, R)
+    if 2 * HALF <= GROUP:  # both halves in one group
+        s_hi, b_hi = s_lo, b_lo
+    else:
+        s_hi, b_hi = _w4_affine(ws_rows, wz_rows, ok, kb + HALF, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, R)
+    return _w4_raw(byte, False, W_FMT), s_lo, b_lo, _w4_raw(byte, True, W_FMT), s_hi, b_hi
+
+
+@triton.jit
+def _w4_fma_loads(
+    a_row_ptr, row_ok, perm_base, w_base, g_cols, u_cols, n_ok, kb, live,
+    KD, KP, stride_ak, stride_pk, stride_wn, stride_wk,
+    ACT_ORDER: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr, HALF: tl.constexpr, OP: tl.constexpr,
+):  # fmt: skip
+    """The FMA path's loads for the pack block at ``kb`` (nothing when not ``live``: past this
+    program's K range): (gate bytes, up bytes, A's low half, A's high half)."""
+    byte_g = _w4_bytes(w_base, g_cols, n_ok & live, kb, stride_wn, stride_wk, HALF)
+    byte_u = byte_g
+    if GATED:
+        byte_u = _w4_bytes(w_base, u_cols, n_ok & live, kb, stride_wn, stride_wk, HALF)
+    r_ok = row_ok & live
+    a_lo = _a_half(a_row_ptr, r_ok, perm_base, kb, KD, KP, stride_ak, stride_pk, ACT_ORDER, EVEN_K, HALF, OP)
+    a_hi = _a_half(a_row_ptr, r_ok, perm_base, kb + HALF, KD, KP, stride_ak, stride_pk, ACT_ORDER, EVEN_K, HALF, OP)
+    return byte_g, byte_u, a_lo, a_hi
+
+
+@triton.jit
+def _w4_fma_step(
+    acc, acc_u, a_lo, a_hi, byte_g, byte_u, ws_base, wz_base, g_cols, u_cols, ok, kb, stride_wsn, stride_wsk,
+    W_FMT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, HAS_ZERO: tl.constexpr, GATED: tl.constexpr,
+    MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """One pack block on the FMA path: dequantize the gate (and up) byte tiles in fp32 and
+    multiply-accumulate with A's two halves: "fma1" into the [BN, HALF] partial sums,
+    "fma" reduced per A row (``_grouped_gemm._fma_rows``)."""
+    v_lo, s_lo, b_lo, v_hi, s_hi, b_hi = _w4_decode(
+        byte_g, ws_base, wz_base, g_cols, ok, kb, stride_wsn, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, BLOCK_N
+    )
+    w_lo, w_hi = v_lo * s_lo + b_lo, v_hi * s_hi + b_hi
+    u_lo, u_hi = w_lo, w_hi
+    if GATED:
+        v_lo, s_lo, b_lo, v_hi, s_hi, b_hi = _w4_decode(
+            byte_u, ws_base, wz_base, u_cols, ok, kb, stride_wsn, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, BLOCK_N
+        )
+        u_lo, u_hi = v_lo * s_lo + b_lo, v_hi * s_hi + b_hi
+    if MODE == "fma1":
+        acc += w_lo * a_lo + w_hi * a_hi
+        if GATED:
+            acc_u += u_lo * a_lo + u_hi * a_hi
+    else:
+        acc, acc_u = _fma_rows(acc, acc_u, a_lo, w_lo, u_lo, GATED, BLOCK_M)
+        acc, acc_u = _fma_rows(acc, acc_u, a_hi, w_hi, u_hi, GATED, BLOCK_M)
+    return acc, acc_u
+
+
+@triton.jit
+def _a_half(
+    a_row_ptr, row_ok, perm_base, kh, KD, KP, stride_ak, stride_pk,
+    ACT_ORDER: tl.constexpr, EVEN_K: tl.constexpr, HALF: tl.constexpr, OUT_DTYPE: tl.constexpr,
+):  # fmt: skip
+    """A [BM, HALF] at columns kh.. of the (act-order: permuted) K order, as OUT_DTYPE."""
+    offs = kh + tl.arange(0, HALF)
+    if EVEN_K:
+        mask = row_ok[:, None]
+    else:
+        mask = row_ok[:, None] & (offs < KD)[None, :]
+    if ACT_ORDER:
+        offs = tl.load(perm_base + offs * stride_pk, mask=offs < KP, other=0)
+    return tl.load(a_row_ptr[:, None] + offs[None, :] * stride_ak, mask=mask, other=0).to(OUT_DTYPE)
+
+
+@triton.jit
+def _w4_mac(acc, w, a, MODE: tl.constexpr, IEEE: tl.constexpr):
+    """acc + the product of a dequantized W half [BN, h] and an A half [BM, h] (module docstring)."""
+    if MODE == "swap":
+        if IEEE:
+            return tl.dot(w, tl.trans(a), acc, input_precision="ieee")
+        else:
+            return tl.dot(w, tl.trans(a), acc)
+    elif MODE == "fma1":
+        return acc + w * a
+    else:
+        if IEEE:
+            return tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+        else:
+            return tl.dot(a, tl.trans(w), acc)
+
+
+@triton.jit
+def _w4_dot_step(
+    acc, acc_u, a_row_ptr, row_ok, perm_base, w_base, ws_base, wz_base, g_cols, u_cols, n_ok, kb,
+    KD, KP, stride_ak, stride_pk, stride_wn, stride_wk, stride_wsn, stride_wsk,
+    W_FMT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, ACT_ORDER: tl.constexpr, HAS_ZERO: tl.constexpr,
+    GATED: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr, IEEE: tl.constexpr, OP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """One pack block on the tensor cores: two dots (A's low and high halves) per row set, the
+    W tiles dequantized with one FMA (int4) or multiply (e2m1) per weight."""
+    if EVEN_K:
+        ok = n_ok
+    else:
+        ok = n_ok & (kb < KP)
+    a_lo = _a_half(a_row_ptr, row_ok, perm_base, kb, KD, KP, stride_ak, stride_pk, ACT_ORDER, EVEN_K, HALF, OP)
+    a_hi = _a_half(a_row_ptr, row_ok, perm_base, kb + HALF, KD, KP, stride_ak, stride_pk, ACT_ORDER, EVEN_K, HALF, OP)
+    byte = _w4_bytes(w_base, g_cols, ok, kb, stride_wn, stride_wk, HALF)
+    v_lo, s_lo, b_lo, v_hi, s_hi, b_hi = _w4_decode(
+        byte, ws_base, wz_base, g_cols, ok, kb, stride_wsn, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, BLOCK_N
+    )
+    acc = _w4_mac(acc, (v_lo * s_lo + b_lo).to(OP), a_lo, MODE, IEEE)
+    acc = _w4_mac(acc, (v_hi * s_hi + b_hi).to(OP), a_hi, MODE, IEEE)
+    if GATED:
+        byte = _w4_bytes(w_base, u_cols, ok, kb, stride_wn, stride_wk, HALF)
+        v_lo, s_lo, b_lo, v_hi, s_hi, b_hi = _w4_decode(
+            byte, ws_base, wz_base, u_cols, ok, kb, stride_wsn, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, BLOCK_N
+        )
+        acc_u = _w4_mac(acc_u, (v_lo * s_lo + b_lo).to(OP), a_lo, MODE, IEEE)
+        acc_u = _w4_mac(acc_u, (v_hi * s_hi + b_hi).to(OP), a_hi, MODE, IEEE)
+    return acc, acc_u
+
+
+@triton.jit
+def _w4_finish(
+    acc, acc_u, c_ptrs, c_mask, rw_ptrs, row_ok, c_scale_ptr, alpha, limit,
+    GATED: tl.constexpr, ACT: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
+    OUT_QUANT: tl.constexpr, EXACT_CAST: tl.constexpr,
+):  # fmt: skip
+    """Activation, router weight, store (in C's dtype, or quantized with the static scale)."""
+    if GATED:
+        acc = apply_act(acc, acc_u, alpha, limit, ACT)
+    else:
+        acc = apply_act(acc, acc, alpha, limit, ACT)
+    if MUL_ROUTED_WEIGHT:
+        acc *= tl.load(rw_ptrs, mask=row_ok, other=0)[:, None]
+    if OUT_QUANT == "none":
+        tl.store(c_ptrs, acc.to(c_ptrs.dtype.element_ty), mask=c_mask)
+    else:
+        tl.store(c_ptrs, quant_linear(acc, tl.load(c_scale_ptr), OUT_QUANT, EXACT_CAST), mask=c_mask)
+
+
+@triton.jit
+def _w4_gemm_kernel(
+    a_ptr, w_ptr, w_scale_ptr, w_zero_ptr, w_gscale_ptr, perm_ptr, bias_ptr, route_w_ptr,
+    c_ptr,  # C, or the fp32 partials P [SPLIT_K, ...] when SPLIT_K > 1
+    c_scale_ptr, sorted_ids_ptr, block_expert_ptr, counts_ptr,
+    N,  # columns of C (I under a gated ACT, whose W has 2N rows)
+    KD,  # K of A (logical)
+    KP,  # K of W's storage: KD rounded up to PK
+    K_SPLIT,  # K columns per split (a multiple of BLOCK_K)
+    num_pairs, a_div, m_max, blocks_per_expert, num_m_blocks, alpha, limit,
+    stride_ae, stride_am, stride_ak,
+    stride_we, stride_wn, stride_wk,
+    stride_wse, stride_wsn, stride_wsk,
+    stride_pe, stride_pk,
+    stride_be, stride_bn,
+    stride_re, stride_rm,
+    stride_cs, stride_ce, stride_cm, stride_cn,
+    BATCHED: tl.constexpr,
+    W_FMT: tl.constexpr,  # "int4" | "mxfp4" | "nvfp4"
+    GROUP: tl.constexpr,  # K columns per scale
+    PK: tl.constexpr,  # the layout's pack block
+    ACT_ORDER: tl.constexpr,  # A's columns gathered through perm (groups sorted at conversion)
+    HAS_ZERO: tl.constexpr,
+    HAS_W_GSCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    ACT: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    OUT_QUANT: tl.constexpr,
+    EXACT_CAST: tl.constexpr,
+    MODE: tl.constexpr,  # "dot" | "swap" | "fma" | "fma1" (module docstring)
+    SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr,  # KD == KP and every split is whole BLOCK_K steps: no K masks
+    A_SLOT: tl.constexpr,  # A has a row per aligned slot (act-order A permuted beforehand)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):  # fmt: skip
+    pid_m, pid_n = _w4_tile_ids(tl.program_id(0), num_m_blocks, N, BLOCK_N, GROUP_M)
+    pid_k = tl.program_id(1)
+    e, idle, row_ok, a_rows, c_rows = _w4_rows(
+        pid_m, sorted_ids_ptr, block_expert_ptr, counts_ptr, num_pairs, a_div, m_max, blocks_per_expert,
+        BATCHED, BLOCK_M, A_SLOT,
+    )  # fmt: skip
+    if idle:
+        return
+    GATED: tl.constexpr = ACT == "silu" or ACT == "gelu" or ACT == "gelu_tanh" or ACT == "swigluoai"
+    offs_n, n_ok, g_cols, u_cols = _w4_cols(pid_n, N, GATED, INTERLEAVED, BLOCK_N)
+    HALF: tl.constexpr = PK // 2
+    FMA: tl.constexpr = MODE == "fma" or MODE == "fma1"
+    OP: tl.constexpr = tl.float32 if FMA else DOT_DTYPE
+    IEEE: tl.constexpr = DOT_DTYPE == tl.float32  # fp32 operands (the interpreter): no tf32
+    a_row_ptr = a_ptr + e * stride_ae + a_rows * stride_am
+    w_base = w_ptr + e * stride_we
+    ws_base = w_scale_ptr + e * stride_wse
+    wz_base = w_zero_ptr + e * stride_wse
+    perm_base = perm_ptr + e * stride_pe
+    if MODE == "swap":
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    elif MODE == "fma1":
+        acc = tl.zeros([BLOCK_N, HALF], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = acc  # the up rows' accumulator, carried only under a gated ACT
+
+    k_lo = pid_k * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, KP)
+    if FMA:
+        # One pack block per K step (BLOCK_K == PK, ``fit_w4_config``), its bytes and A loaded
+        # one step ahead: these loads do not feed tl.dot, so the compiler does not pipeline
+        # them (no async copies in the TTGIR of the first H100 run), and each step waited for
+        # its loads before its math.
+        nxt = _w4_fma_loads(
+            a_row_ptr, row_ok, perm_base, w_base, g_cols, u_cols, n_ok, k_lo, k_lo < k_hi,
+            KD, KP, stride_ak, stride_pk, stride_wn, stride_wk, ACT_ORDER, EVEN_K, GATED, HALF, OP,
+        )  # fmt: skip
+        for k0 in range(k_lo, k_hi, PK):
+            byte_g, byte_u, a_lo, a_hi = nxt
+            nxt = _w4_fma_loads(
+                a_row_ptr, row_ok, perm_base, w_base, g_cols, u_cols, n_ok, k0 + PK, k0 + PK < k_hi,
+                KD, KP, stride_ak, stride_pk, stride_wn, stride_wk, ACT_ORDER, EVEN_K, GATED, HALF, OP,
+            )  # fmt: skip
+            acc, acc_u = _w4_fma_step(
+                acc, acc_u, a_lo, a_hi, byte_g, byte_u, ws_base, wz_base, g_cols, u_cols, n_ok, k0,
+                stride_wsn, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, GATED, MODE, BLOCK_M, BLOCK_N,
+            )  # fmt: skip
+    else:
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            for j in tl.static_range(BLOCK_K // PK):
+                kb = k0 + j * PK
+                acc, acc_u = _w4_dot_step(
+                    acc, acc_u, a_row_ptr, row_ok, perm_base, w_base, ws_base, wz_base, g_cols, u_cols, n_ok, kb,
+                    KD, KP, stride_ak, stride_pk, stride_wn, stride_wk, stride_wsn, stride_wsk,
+                    W_FMT, GROUP, HALF, ACT_ORDER, HAS_ZERO, GATED, EVEN_K, MODE, IEEE, OP, BLOCK_N,
+                )  # fmt: skip
+
+    # ---- back to [BM, BN]; global scale; bias (split 0 only)
+    if MODE == "swap":
+        acc = tl.trans(acc)
+        acc_u = tl.trans(acc_u)
+    elif MODE == "fma1":
+        acc = tl.sum(acc, axis=1)[None, :]
+        acc_u = tl.sum(acc_u, axis=1)[None, :]
+    if HAS_W_GSCALE:
+        gs = tl.load(w_gscale_ptr + e)
+        acc *= gs
+        acc_u *= gs
+    if HAS_BIAS:
+        b_ok = n_ok & (pid_k == 0)
+        acc += tl.load(bias_ptr + e * stride_be + g_cols * stride_bn, mask=b_ok, other=0).to(tl.float32)[None, :]
+        if GATED:
+            acc_u += tl.load(bias_ptr + e * stride_be + u_cols * stride_bn, mask=b_ok, other=0).to(tl.float32)[None, :]
+    c_ptrs = c_ptr + pid_k * stride_cs + e * stride_ce + c_rows[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    rw_ptrs = route_w_ptr + e * stride_re + c_rows * stride_rm
+    _w4_finish(
+        acc, acc_u, c_ptrs, row_ok[:, None] & n_ok[None, :], rw_ptrs, row_ok, c_scale_ptr, alpha, limit,
+        GATED, ACT, MUL_ROUTED_WEIGHT, OUT_QUANT, EXACT_CAST,
+    )  # fmt: skip
+
+
+@triton.jit
+def _w4_reduce_kernel(
+    p_ptr, c_ptr, c_scale_ptr, route_w_ptr, sorted_ids_ptr, block_expert_ptr, counts_ptr,
+    N, num_pairs, m_max, blocks_per_expert, alpha, limit,
+    stride_ps, stride_pe, stride_pm, stride_pn,
+    stride_re, stride_rm,
+    stride_ce, stride_cm, stride_cn,
+    SPLIT_K: tl.constexpr,
+    BATCHED: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    ACT: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    OUT_QUANT: tl.constexpr,
+    EXACT_CAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """C = finish(sum over s of P[s]) for the rows the GEMM wrote (same row blocks), s in order."""
+    e, idle, row_ok, _, c_rows = _w4_rows(
+        tl.program_id(0), sorted_ids_ptr, block_expert_ptr, counts_ptr, num_pairs, 1, m_max, blocks_per_expert,
+        BATCHED, BLOCK_M,
+    )  # fmt: skip
+    if idle:
+        return
+    GATED: tl.constexpr = ACT == "silu" or ACT == "gelu" or ACT == "gelu_tanh" or ACT == "swigluoai"
+    offs_n, n_ok, g_cols, u_cols = _w4_cols(tl.program_id(1), N, GATED, INTERLEAVED, BLOCK_N)
+    mask = row_ok[:, None] & n_ok[None, :]
+    p_rows = p_ptr + e * stride_pe + c_rows[:, None] * stride_pm
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = acc
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(p_rows + s * stride_ps + g_cols[None, :] * stride_pn, mask=mask, other=0)
+        if GATED:
+            acc_u += tl.load(p_rows + s * stride_ps + u_cols[None, :] * stride_pn, mask=mask, other=0)
+    c_ptrs = c_ptr + e * stride_ce + c_rows[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    rw_ptrs = route_w_ptr + e * stride_re + c_rows * stride_rm
+    _w4_finish(
+        acc, acc_u, c_ptrs, mask, rw_ptrs, row_ok, c_scale_ptr, alpha, limit,
+        GATED, ACT, MUL_ROUTED_WEIGHT, OUT_QUANT, EXACT_CAST,
+    )  # fmt: skip
+
+
+@triton.jit
+def _w4_permute_a_kernel(
+    a_ptr, perm_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, counts_ptr,
+    KD, KP, num_pairs, a_div, m_max, blocks_per_expert,
+    stride_ae, stride_am, stride_ak, stride_pe, stride_pk, stride_oe, stride_om,
+    BATCHED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Act-order A for the tensor-core path: out[row, j] = A[row's A row, perm[e, j]], the columns
+    of the row's expert in its sorted (group-contiguous) order, zeros past K. Standard layout:
+    a row per aligned slot; batched: [E, M_max, KP]. The GEMM then reads A with whole-row vector
+    loads: gathering columns inside its tile loads cost 6.5x (Qwen3 int4 GEMM1 at T = 4096 on an
+    H100: 4.10 ms against 0.63 ms without act-order; scalar loads that the pipeliner skips)."""
+    e, idle, row_ok, a_rows, _ = _w4_rows(
+        tl.program_id(0), sorted_ids_ptr, block_expert_ptr, counts_ptr, num_pairs, a_div, m_max, blocks_per_expert,
+        BATCHED, BLOCK_M,
+    )  # fmt: skip
+    if idle:
+        return
+    offs = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    cols = tl.load(perm_ptr + e * stride_pe + offs * stride_pk, mask=offs < KP, other=0)
+    vals = tl.load(
+        a_ptr + e * stride_ae + a_rows[:, None] * stride_am + cols[None, :] * stride_ak,
+        mask=row_ok[:, None] & (offs < KD)[None, :],
+        other=0,
+    )
+    if BATCHED:
+        o_rows = a_rows
+    else:
+        o_rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    o_mask = row_ok[:, None] & (offs < KP)[None, :]
+    tl.store(out_ptr + e * stride_oe + o_rows[:, None] * stride_om + offs[None, :], vals, mask=o_mask)

@@ -1,0 +1,326 @@
+"""The grouped GEMM for 4-bit weights (int4, MXFP4, NVFP4) with float activations: ``w4_gemm_launch``.
+
+Same contract as ``grouped_gemm.grouped_gemm_launch`` (standard layout with ``routing``,
+batched with ``counts``; bias, fused activation, router weight, static output quantization),
+for weights converted once at load time to the w4 layout (``quant.w4_layout.to_w4``): K packed
+in blocks so one byte tile splits into two dot operands without a shuffle, act-order columns
+sorted by group. ``grouped_gemm_launch`` forwards such weights here, so the public
+``grouped_gemm`` / ``grouped_gemm_batched`` take them as they are.
+
+What the launch config selects (``LaunchConfig``; ``fit_w4_config`` adapts any config):
+
+    block_m >= 16, w_major 1   C^T = W @ A^T on the tensor cores, W fed from registers ("swap")
+    block_m >= 16, w_major 0   C = A @ W^T, as the reference kernel multiplies ("dot")
+    block_m 1, w_major 1       fp32 FMA with [BN, BK] partial sums, reduced after the loop ("fma1")
+    block_m 1..8 otherwise     fp32 FMA, one reduction per K step and row ("fma")
+    split_k S > 1              S programs per output tile along K, fp32 partials P [S, rows, N]
+
+Act-order weights (columns sorted by group at conversion, ``W4Tensor.perm``): the FMA path
+gathers A's columns through the permutation in its loads; the tensor-core path first writes A
+permuted per expert (one extra launch, a [slots, Kp] copy), because the gathered loads were
+6.5x slower there (Qwen3 int4 GEMM1 at T = 4096: 4.10 ms against 0.63 ms without act-order;
+with the permuted copy 1.02 ms, GEMM2 0.59 vs 0.43 ms).
+
+Split-K needs somewhere for the partials: ``partials`` (workspace, fp32, at least
+``partials_numel`` elements) or a new tensor. With ``reduce=True`` (default) a second launch
+sums them in split order and finishes the epilogue (activation, router weight, quantized
+store) into ``c``; with ``reduce=False`` (no activation) the partials are the result, already
+multiplied by the router weight, and ``moe_sum`` sums them with the top-k sum (GEMM2 of the
+standard layout: no launch of its own).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..errors import expect
+from ..metadata import AlignedRouting
+from ..quant import Operand, TensorQuant
+from ..quant.w4_layout import W4_DTYPES, W4Tensor, convertible, is_w4
+from ._common import interpreting
+from ._grouped_gemm_w4 import _w4_gemm_kernel, _w4_permute_a_kernel, _w4_reduce_kernel
+from .gemm_format import _OUT_QUANT, _TL_DTYPE, ActEpilogue, GemmFormat, _strides, _u8
+from .launch import launch
+from .launch_config import LaunchConfig, overridden, pick_launch_config
+
+_REDUCE_BN = 128  # columns per program of the split-K reduce (fp32 loads of 512 B per row)
+
+
+def supports(w_quant: TensorQuant | None, a_quant: TensorQuant | None, dtype: torch.dtype) -> str | None:
+    """None if this kernel runs weights ``w_quant`` (once converted) with activations ``a_quant``
+    in ``dtype``; else why not (the reference kernel then keeps them in the reference layout)."""
+    if a_quant is not None:
+        return f"w4 kernel takes float activations, not {a_quant.dtype.value}"
+    if dtype not in _TL_DTYPE:
+        return f"w4 kernel takes bf16/fp16/fp32 activations, not {dtype}"
+    return convertible(w_quant)
+
+
+def fit_w4_config(cfg: LaunchConfig, w: W4Tensor) -> LaunchConfig:
+    """``cfg`` made valid for ``w``: BK a multiple of the layout's pack block (and no more K than
+    the weight has; the FMA path steps one pack block at a time, ``_w4_gemm_kernel``), w_major
+    only where it means something (BM >= 16 or BM = 1), no more splits than K steps."""
+    kp, pk = w.k_padded, w.pack_block
+    bk = pk if cfg.block_m < 16 else min(max(cfg.block_k, pk), max(pk, triton.next_power_of_2(kp)))
+    w_major = cfg.w_major if (cfg.block_m >= 16 or cfg.block_m == 1) else 0
+    split = max(1, min(cfg.split_k, triton.cdiv(kp, bk)))
+    if (bk, w_major, split) == (cfg.block_k, cfg.w_major, cfg.split_k):
+        return cfg
+    return LaunchConfig(cfg.block_m, cfg.block_n, bk, cfg.group_m, cfg.num_warps, cfg.num_stages, split, w_major)
+
+
+def _mode(cfg: LaunchConfig) -> str:
+    if cfg.block_m >= 16:
+        return "swap" if cfg.w_major else "dot"
+    return "fma1" if cfg.block_m == 1 and cfg.w_major else "fma"
+
+
+def w4_launch_config(
+    m_pairs: int, num_experts: int, n: int, k: int, w: W4Tensor, *, gated: bool = False, deterministic: bool = False
+) -> LaunchConfig:
+    """The config for a w4 GEMM of ``m_pairs`` routed rows over ``num_experts`` experts of W [N, K]
+    (``gated``: GEMM1 with a fused gated activation; the caller still halves BN for it with
+    ``gated_act_config``, as for the reference kernel).
+
+    A scoped ``override_launch_config`` or ``FUSEDMOE_LAUNCH_CONFIG`` wins, as for every GEMM;
+    else ``default_w4_config`` (the reference kernel's tuned JSON is for another kernel).
+    ``deterministic``: plan as if every expert had 64 rows, as ``pick_launch_config`` does.
+    """
+    if overridden():
+        return fit_w4_config(pick_launch_config(m_pairs, num_experts, n, k, w.w_fmt + "_w4"), w)
+    if deterministic:
+        m_pairs = 64 * max(1, num_experts)
+    return fit_w4_config(default_w4_config(m_pairs, num_experts, n, k, gated, w.w_fmt), w)
+
+
+def default_w4_config(
+    m_pairs: int, num_experts: int, n: int, k: int, gated: bool = False, w_fmt: str = "int4"
+) -> LaunchConfig:
+    """The w4 config measured best on an H100 (``scripts/kbench_w4.py``; Mixtral-8x7B, Qwen3-30B-A3B,
+    gpt-oss-20b at T 1..4096, ``benchmarks/results/kbench_w4_h100_2026-11-25.md``). BN counts W's
+    rows: a fused gated GEMM1 reads two per output column, and the layer halves BN for it
+    (``gated_act_config``), so GEMM1's numbers below are twice its output columns.
+
+    * <= 0.5 rows per expert (decode): BM 1, FMA with [BN, PK/2] partial sums ("fma1"), 32 W rows
+      per program (16 were within 5% of 64 W rows on the tensor cores for Mixtral's GEMM1, and
+      best for Qwen3's). Split-K while the output tiles give fewer than ~8 programs per SM and
+      each split keeps >= 4 K steps of 256: Mixtral's GEMM2 (N 4096, K 14336, 256 tiles) took 92
+      us unsplit and 66-70 us with 2-4 splits, gpt-oss's (N 2880, 4 experts) 39 vs 30 us with 2;
+      Qwen3's (K 768) was best unsplit. A gated GEMM1 is not split (that needs a reduce launch,
+      and the presets have >= 384 tiles there).
+    * <= 8 rows: BM 16; int4 W-major ("swap", 128 W rows), e2m1 C-major ("dot", 64 W rows):
+      Mixtral T = 16 GEMM1 int4 swap 283 us vs dot 310; MXFP4 dot 449 vs swap 547.
+    * <= 16 rows: C-major BM 32, GEMM1 128 and GEMM2 64 W rows (Mixtral MXFP4 T = 64 GEMM1: 512 us
+      against 1584 us with 64 W rows).
+    * <= 160 rows: W-major BM 64 x 128 W rows (GEMM2 at <= 64 rows: BM 32 x 64 W rows).
+    * prefill: GEMM1 W-major BM 128 x 128 W rows with 4 warps (5.28 ms at Mixtral int4 T = 4096;
+      14.8 ms with 8 warps: each dot's M is its 64 W rows, one warpgroup); GEMM2 BM 256 x 128 W
+      rows, 8 warps (2.44 ms vs 3.18 at BM 128). GEMM1 and GEMM2 then want different BM: the
+      layer aligns twice for prefill.
+    """
+    rows = m_pairs / max(1, num_experts)
+    if rows <= 0.5:
+        tiles = min(m_pairs, num_experts) * triton.cdiv(n, 32)
+        split = 1
+        while not gated and tiles * split < 1024 and k // (256 * split * 2) >= 4:
+            split *= 2
+        return LaunchConfig(1, 32, 256, 1, 4, 4, split_k=split, w_major=1)
+    if rows <= 8:
+        if w_fmt == "int4":
+            return LaunchConfig(16, 128, 128, 1, 4, 4, w_major=1)
+        return LaunchConfig(16, 64, 128, 1, 4, 4)
+    if rows <= 16:
+        return LaunchConfig(32, 128 if gated else 64, 128, 1, 4, 4)
+    if rows <= 160:
+        if not gated and rows <= 64:
+            return LaunchConfig(32, 64, 128, 4, 4, 4, w_major=1)
+        return LaunchConfig(64, 128, 128, 8, 4 if gated else 8, 3, w_major=1)
+    if gated:
+        return LaunchConfig(128, 128, 128, 8, 4, 3, w_major=1)
+    return LaunchConfig(256, 128, 128, 8, 8, 3, w_major=1)
+
+
+def partials_numel(cfg: LaunchConfig, rows: int, n_w: int) -> int:
+    """fp32 elements of split-K partials for ``rows`` rows (T*K pairs, or E_l * M_max) of a W
+    with ``n_w`` rows; 0 without split-K."""
+    return 0 if cfg.split_k == 1 else cfg.split_k * rows * n_w
+
+
+def w4_gemm_launch(
+    a: Operand,
+    w: Operand,
+    c: torch.Tensor,
+    fmt: GemmFormat,
+    cfg: LaunchConfig,
+    *,
+    routing: AlignedRouting | None = None,
+    counts: torch.Tensor | None = None,
+    a_div: int = 1,
+    bias: torch.Tensor | None = None,
+    route_weights: torch.Tensor | None = None,
+    act: ActEpilogue | None = None,
+    act_scale: torch.Tensor | None = None,
+    partials: torch.Tensor | None = None,
+    reduce: bool = True,
+) -> torch.Tensor | None:
+    """Launch into ``c`` (module docstring). Returns the split-K partials viewed as [S, *C rows,
+    N_w], or None without split-K (``fit_w4_config`` may lower ``cfg.split_k`` to K's steps, to 1
+    included: then ``c`` holds the result). With ``reduce=False`` and partials returned, they
+    are the result and ``c`` is left as it was."""
+    a_scale, a_global_scale = a.scale, a.global_scale
+    a, w = a.data, w.q
+    expect(is_w4(w), "w", "a weight in the w4 layout (quant.w4_layout.to_w4)", type(w).__name__)
+    expect(fmt.a_fmt == "float" and a_scale is None and a_global_scale is None, "a", "float activations", fmt)
+    expect(reduce or act is None, "reduce", "True with a fused activation (it needs the summed tile)", reduce)
+    cfg = fit_w4_config(cfg, w)
+    rows = _Rows.of(a, w, cfg, routing, counts, a_div)
+    e_l, n_w, kd = w.shape
+    n = n_w if act is None else act.out_cols(n_w)
+    p = None
+    if cfg.split_k > 1:
+        numel = cfg.split_k * n_w * rows.total
+        if partials is None:
+            partials = torch.empty(numel, dtype=torch.float32, device=a.device)
+        expect(partials.dtype == torch.float32 and partials.numel() >= numel, "partials", f">= {numel} fp32", partials)
+        p = partials.reshape(-1)[:numel].view(cfg.split_k, *rows.c_shape, n_w)
+    if rows.num_m_blocks == 0 or n == 0 or (p is None and c.numel() == 0):
+        return p
+    permuted = w.perm is not None and cfg.block_m >= 16  # act-order on the tensor cores: permute A first
+    if permuted:
+        a, kd = _permute_a(a, w, rows), w.k_padded
+        rows = _Rows.of(a, w, cfg, routing, counts, 1)
+    perm = None if permuted else w.perm
+    target = p if p is not None else c
+    out_quant = "none" if act is None or act.quant is None else _OUT_QUANT[act.quant.dtype][0]
+    c_scale = act_scale.reshape(1).float().contiguous() if out_quant != "none" else None
+    rw, rw_str = _route_weights(route_weights, rows.batched)
+    rw_in_gemm = rw is not None and (p is None or act is None)
+    t_str = ((target.stride(0),) if p is not None else (0,)) + _row_strides(target, rows.batched)
+    wg = w.global_scale.reshape(-1).float().contiguous() if w.global_scale is not None else None
+    dummy = target
+    grid = (rows.num_m_blocks * triton.cdiv(n if p is None else n_w, cfg.block_n), cfg.split_k)
+    launch(_w4_gemm_kernel, grid,
+        a, w.bytes_u8(), _u8(w.scale), dummy if w.zero is None else w.zero, dummy if wg is None else wg,
+        dummy if perm is None else perm, dummy if bias is None else bias,
+        dummy if rw is None else rw, _u8(target), dummy if c_scale is None else c_scale,
+        *rows.ptrs(dummy), n if p is None else n_w, kd, w.k_padded,
+        triton.cdiv(triton.cdiv(w.k_padded, cfg.block_k), cfg.split_k) * cfg.block_k,
+        *rows.scalars(), 1.702 if act is None else act.swiglu_alpha, 7.0 if act is None else act.swiglu_limit,
+        *rows.a_strides, *w.bytes_u8().stride(), *_strides(w.scale, 3),
+        *(perm.stride() if perm is not None else (0, 0)), *(bias.stride() if bias is not None else (0, 0)),
+        *rw_str, *t_str,
+        BATCHED=rows.batched, W_FMT=w.w_fmt, GROUP=w.group_size, PK=w.pack_block,
+        ACT_ORDER=perm is not None, HAS_ZERO=w.zero is not None, HAS_W_GSCALE=wg is not None,
+        HAS_BIAS=bias is not None, MUL_ROUTED_WEIGHT=rw_in_gemm, DOT_DTYPE=_dot_dtype(a),
+        ACT="none" if act is None or p is not None else act.activation.value,
+        INTERLEAVED=act is not None and act.gate_up_interleaved,
+        OUT_QUANT="none" if p is not None else out_quant, EXACT_CAST=interpreting(),
+        MODE=_mode(cfg), SPLIT_K=cfg.split_k, EVEN_K=kd == w.k_padded and w.k_padded % cfg.block_k == 0,
+        A_SLOT=permuted and not rows.batched, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if p is not None and reduce:
+        _reduce(p, c, act, out_quant, c_scale, None if rw_in_gemm else rw, rw_str, rows, n)
+    return p
+
+
+def _dot_dtype(a: torch.Tensor):
+    """The dot path's operand dtype: A's (fp32 under the interpreter, whose bf16/fp16 dot
+    multiplies raw bits)."""
+    return tl.float32 if interpreting() else _TL_DTYPE[a.dtype]
+
+
+def _route_weights(rw: torch.Tensor | None, batched: bool):
+    if rw is None:
+        return None, (0, 0)
+    if batched:
+        return rw, _strides(rw, 2)
+    rw = rw.reshape(-1)
+    return rw, (0, rw.stride(0))
+
+
+def _row_strides(t: torch.Tensor, batched: bool) -> tuple[int, int, int]:
+    """(expert, row, column) strides of C or of one split of the partials."""
+    return tuple(t.stride()[-3:]) if batched else (0, *t.stride()[-2:])
+
+
+class _Rows:
+    """How a launch maps programs to rows (what ``_w4_rows`` reads): the standard layout's aligned
+    blocks of ``block_m`` slots, or the batched layout's per-expert slabs of ``m_max`` rows."""
+
+    def __init__(self, batched, block_m, num_m_blocks, num_pairs, m_max, a_div, a_strides, c_shape, ptrs):
+        self.batched, self.block_m, self.num_m_blocks, self.num_pairs = batched, block_m, num_m_blocks, num_pairs
+        self.m_max, self.a_div, self.a_strides, self.c_shape, self._ptrs = m_max, a_div, a_strides, c_shape, ptrs
+        self.blocks_per_expert = triton.cdiv(m_max, block_m) if batched else 0
+        self.total = c_shape[0] * (c_shape[1] if batched else 1)  # rows of C
+
+    @classmethod
+    def of(cls, a, w, cfg, routing, counts, a_div) -> _Rows:
+        if routing is None:
+            e_l, m_max = w.shape[0], a.shape[1]
+            blocks = e_l * triton.cdiv(m_max, cfg.block_m)  # BM = 1: one program per row
+            return cls(True, cfg.block_m, blocks, 0, m_max, a_div, a.stride(), (e_l, m_max), (None, None, counts))
+        expect(routing.block_m == cfg.block_m, "cfg.block_m", f"routing.block_m = {routing.block_m}", cfg.block_m)
+        ptrs = (routing.sorted_ids, routing.block_expert, None)
+        n = routing.num_pairs
+        return cls(False, cfg.block_m, routing.block_expert.numel(), n, 0, a_div, (0, *a.stride()), (n,), ptrs)
+
+    def ptrs(self, dummy) -> tuple:
+        return tuple(dummy if t is None else t for t in self._ptrs)
+
+    def scalars(self) -> tuple:
+        return self.num_pairs, self.a_div, self.m_max, self.blocks_per_expert, self.num_m_blocks
+
+
+_PERMUTE_BK = 128  # columns per program of the act-order A permutation
+
+
+def _permute_a(a, w: W4Tensor, rows: _Rows) -> torch.Tensor:
+    """A with each row's columns in its expert's sorted K order (``_w4_permute_a_kernel``):
+    [slots, Kp] for the standard layout (a row per aligned slot), [E, M_max, Kp] batched."""
+    kp = w.k_padded
+    if rows.batched:
+        out = torch.empty(w.shape[0], rows.m_max, kp, dtype=a.dtype, device=a.device)
+        o_str = out.stride()[:2]
+    else:
+        out = torch.empty(rows._ptrs[0].numel(), kp, dtype=a.dtype, device=a.device)
+        o_str = (0, out.stride(0))
+    grid = (rows.num_m_blocks, triton.cdiv(kp, _PERMUTE_BK))
+    launch(_w4_permute_a_kernel, grid,
+        a, w.perm, out, *rows.ptrs(out), w.shape[2], kp, rows.num_pairs, rows.a_div, rows.m_max,
+        rows.blocks_per_expert, *rows.a_strides, *w.perm.stride(), *o_str,
+        BATCHED=rows.batched, BLOCK_M=rows.block_m, BLOCK_K=_PERMUTE_BK, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def _reduce(p, c, act, out_quant, c_scale, route_weights, rw_str, rows: _Rows, n) -> None:
+    """C from the split-K partials: sum over splits in order, then the epilogue's tail; the
+    GEMM's row blocks, so rows no program wrote (other experts', past the counts) stay as they are."""
+    bn = min(_REDUCE_BN, triton.next_power_of_2(max(n, 16)))
+    grid = (rows.num_m_blocks, triton.cdiv(n, bn))
+    launch(_w4_reduce_kernel, grid,
+        p, _u8(c), p if c_scale is None else c_scale, p if route_weights is None else route_weights,
+        *rows.ptrs(p), n, rows.num_pairs, rows.m_max, rows.blocks_per_expert,
+        1.702 if act is None else act.swiglu_alpha, 7.0 if act is None else act.swiglu_limit,
+        p.stride(0), *_row_strides(p[0], rows.batched), *rw_str, *_row_strides(c, rows.batched),
+        SPLIT_K=p.shape[0], BATCHED=rows.batched, MUL_ROUTED_WEIGHT=route_weights is not None,
+        ACT="none" if act is None else act.activation.value,
+        INTERLEAVED=act is not None and act.gate_up_interleaved,
+        OUT_QUANT=out_quant, EXACT_CAST=interpreting(), BLOCK_M=rows.block_m, BLOCK_N=bn,
+        num_warps=4,
+    )  # fmt: skip
+
+
+__all__ = [
+    "W4_DTYPES",
+    "default_w4_config",
+    "fit_w4_config",
+    "partials_numel",
+    "supports",
+    "w4_gemm_launch",
+    "w4_launch_config",
+]

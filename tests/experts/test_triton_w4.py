@@ -1,0 +1,90 @@
+"""The ``triton`` experts with 4-bit weights converted to the w4 layout (``prepare_weights``).
+
+The whole layer (align, GEMM1 with the fused activation, GEMM2, moe_sum) against the float64
+reference of the same scheme, from the original (reference-layout) weights, in the regimes whose
+plans differ: decode (BM 1, GEMM2 split along K and summed by moe_sum), mid (BM 16-64) and
+prefill (GEMM1 and GEMM2 with different BM: the pairs are aligned twice); both token layouts;
+and the conversion's exact inverse (``restore_weights``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fusedmoe.config import MoEConfig
+from fusedmoe.dispatch.local import LocalBatchedDispatcher, LocalDispatcher
+from fusedmoe.experts.triton import TritonBatchedExperts, TritonExperts
+from fusedmoe.kernels._common import interpreting
+from fusedmoe.metadata import TopK
+from fusedmoe.modular.kernel import MoEKernel
+from fusedmoe.quant import QuantScheme
+from fusedmoe.quant.w4_layout import is_w4
+from fusedmoe.testing import make_problem, rel_error, tolerance
+
+HAS_CUDA = torch.cuda.is_available()
+pytestmark = pytest.mark.skipif(not (HAS_CUDA or interpreting()), reason="needs a CUDA GPU or TRITON_INTERPRET=1")
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+SCHEMES = ["int4_g128", "int4_g64_zp", "int4_g128_actorder", "mxfp4", "nvfp4_w4a16"]
+# (label, T, E, K): decode (0.25 pairs per expert: BM 1 and split-K), mid, prefill (> 160 per expert)
+REGIMES = [("decode", 1, 8, 2), ("mid", 24, 4, 2), ("prefill", 336, 4, 2)]
+
+
+def _config(e: int, k: int) -> MoEConfig:
+    return MoEConfig(e, k, 128, 256, dtype=torch.bfloat16)
+
+
+def _schemes(name: str) -> QuantScheme:
+    s = QuantScheme.by_name(name)
+    assert s.a1 is None and s.w1 is not None, name
+    return s
+
+
+@pytest.mark.parametrize("regime", REGIMES, ids=[r[0] for r in REGIMES])
+@pytest.mark.parametrize("name", SCHEMES)
+def test_layer_with_converted_weights(name, regime):
+    _, t, e, k = regime
+    scheme, config = _schemes(name), _config(e, k)
+    prob = make_problem(config, scheme, t, seed=t + e, device=DEVICE)
+    experts = TritonExperts(config, scheme)
+    w4 = experts.prepare_weights(prob.weights)
+    assert is_w4(w4.w13) and is_w4(w4.w2), "4-bit weights with float activations run in the w4 layout"
+    kernel = MoEKernel(LocalDispatcher(config, scheme), experts)
+    out = kernel(prob.x, TopK(prob.topk_ids, prob.topk_weights), w4)
+    ref = prob.reference()
+    assert out.isfinite().all()
+    assert rel_error(out, ref) <= tolerance(scheme, config.dtype)
+    back = experts.restore_weights(w4)
+    for a, b in ((back.w13, prob.weights.w13), (back.w2, prob.weights.w2)):
+        for key, v in b.tensors().items():
+            got = getattr(a, key)
+            assert got.dtype == v.dtype and torch.equal(got.view(torch.uint8), v.view(torch.uint8)), key
+
+
+@pytest.mark.parametrize("name", ["int4_g128", "mxfp4"])
+def test_batched_layout_with_converted_weights(name):
+    scheme, config = _schemes(name), _config(4, 2)
+    prob = make_problem(config, scheme, 9, seed=5, device=DEVICE)
+    experts = TritonBatchedExperts(config, scheme)
+    w4 = experts.prepare_weights(prob.weights)
+    kernel = MoEKernel(LocalBatchedDispatcher(config, scheme), experts)
+    out = kernel(prob.x, TopK(prob.topk_ids, prob.topk_weights), w4)
+    assert rel_error(out, prob.reference()) <= tolerance(scheme, config.dtype)
+
+
+def test_plans_are_kept_per_pair_count():
+    scheme, config = _schemes("int4_g128"), _config(4, 2)
+    prob = make_problem(config, scheme, 4, seed=1, device=DEVICE)
+    experts = TritonExperts(config, scheme)
+    w4 = experts.prepare_weights(prob.weights)
+    a = experts._plan(8, 4, w4.w13, w4.w2)
+    assert experts._plan(8, 4, w4.w13, w4.w2) is a  # no config picked twice for one T
+    assert experts._plan(512, 4, w4.w13, w4.w2) is not a
+
+
+def test_other_schemes_keep_the_reference_layout():
+    for name in ("bf16", "fp8_block", "mxfp4_mxfp8", "int8_w8a16"):
+        scheme, config = QuantScheme.by_name(name), _config(4, 2)
+        prob = make_problem(config, scheme, 2, seed=0, device=DEVICE)
+        assert TritonExperts(config, scheme).prepare_weights(prob.weights) is prob.weights, name

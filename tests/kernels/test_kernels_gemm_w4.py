@@ -1,0 +1,382 @@
+"""The 4-bit weight path: the w4 layout (conversion and its exact inverse) and the w4 grouped GEMM.
+
+Conversion (no kernels): ``from_w4(to_w4(q)) == q`` bit for bit for every 4-bit format, pack
+block, padded K and act-order map, and the layout's invariants (what byte j of a block holds,
+groups contiguous after act-order sorting, misuse as the reference layout fails loudly).
+
+Kernel (Triton interpreter, tiny shapes; real shapes marked ``gpu``): weights converted with
+``to_w4``, run through the public ``grouped_gemm`` / ``grouped_gemm_batched`` (which forward
+w4 weights to ``w4_gemm_launch``), against ``grouped_gemm_ref`` computed in float64 from the
+*original* reference-layout weights, outputs poisoned with NaN first (rows of local pairs all
+written, the others untouched). Under the interpreter both sides are exact fp32 sums of exactly
+dequantized operands (~3e-7 with an fp32 output).
+
+Which cases: the interpreter costs ~5 ms per program and K step, so every scheme meets every
+way of multiplying (FMA with deferred reduction, FMA per row, C-major and W-major dots), and
+the other dimensions (layout, fused activation, split-K, the labelled edge case) rotate along
+that list, so each of them is met by several schemes and modes; the edge cases then run once
+more each on the decode and the tensor-core path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import pytest
+import torch
+from test_kernels_gemm import DEVICE, needs_cuda, needs_triton
+
+from fusedmoe.config import Activation
+from fusedmoe.kernels._common import interpreting
+from fusedmoe.kernels.align import moe_align_ref
+from fusedmoe.kernels.gemm_format import ActEpilogue, GemmFormat
+from fusedmoe.kernels.grouped_gemm import grouped_gemm, grouped_gemm_batched, grouped_gemm_batched_ref, grouped_gemm_ref
+from fusedmoe.kernels.grouped_gemm_w4 import (
+    default_w4_config,
+    fit_w4_config,
+    supports,
+    w4_gemm_launch,
+    w4_launch_config,
+)
+from fusedmoe.kernels.launch_config import LaunchConfig, gated_act_config
+from fusedmoe.kernels.moe_sum import moe_sum, moe_sum_ref
+from fusedmoe.quant import Operand, QuantScheme, dequantize, quantize
+from fusedmoe.quant.w4_layout import LAYOUT, W4Tensor, convertible, from_w4, from_w4_weights, to_w4, to_w4_weights
+from fusedmoe.testing import poison_, random_topk, rel_error, tolerance
+from fusedmoe.weights import ExpertWeights, random_g_idx
+
+SCHEMES = {
+    "int4_g32": QuantScheme.int4_w4a16(32),
+    "int4_g64": QuantScheme.int4_w4a16(64),
+    "int4_g128": QuantScheme.int4_w4a16(128),
+    "int4_g64_zp": QuantScheme.int4_w4a16(64, zero_points=True),
+    "int4_g32_actorder": QuantScheme.int4_w4a16(32, act_order=True),
+    "mxfp4": QuantScheme.mxfp4_w4a16(),
+    "nvfp4": QuantScheme.nvfp4_w4a16(),
+}
+
+
+def _quantized(scheme: QuantScheme, e: int, n: int, k: int, seed: int = 0, device: str = "cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    tq = scheme.w1
+    w = torch.randn(e, n, k, generator=gen) * k**-0.5
+    g_idx = random_g_idx(e, k, tq.granularity.group_size) if tq.act_order else None
+    return quantize(w, tq, g_idx=g_idx).to(device)
+
+
+def _equal(x: torch.Tensor | None, y: torch.Tensor | None) -> bool:
+    """Bit equality, dtypes included (1-byte float formats compared as bytes)."""
+    if x is None or y is None:
+        return x is None and y is None
+    if x.dtype != y.dtype or x.shape != y.shape:
+        return False
+    if x.element_size() == 1:
+        return torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+    return torch.equal(x, y)
+
+
+# ---- the layout: round trip and invariants (no kernels) ------------------------------------
+
+
+@pytest.mark.parametrize("pack_block", [None, 32, 64, 128, 256])
+@pytest.mark.parametrize("k", [80, 128, 192, 384])
+@pytest.mark.parametrize("scheme", list(SCHEMES), ids=list(SCHEMES))
+def test_round_trip_is_exact(scheme, k, pack_block):
+    """K = 80 and 192 are not multiples of every PK: padded, then stripped on the way back."""
+    tq = SCHEMES[scheme].w1
+    if k % tq.granularity.group_size or convertible(tq, pack_block=pack_block):
+        pytest.skip("not storable / not a valid pack block for this group")
+    q = _quantized(SCHEMES[scheme], 3, 10, k)
+    w4 = to_w4(q, tq, pack_block)
+    back = from_w4(w4)
+    for f in ("data", "scale", "zero", "global_scale", "g_idx"):
+        assert _equal(getattr(back, f), getattr(q, f)), f
+    assert back.shape == q.shape and type(back).__name__ == "QTensor"
+
+
+def test_pack_block_puts_k_and_k_plus_half_in_one_byte():
+    tq = SCHEMES["int4_g64"].w1
+    codes = torch.arange(256).remainder(16).to(torch.uint8).reshape(1, 1, 256)
+    from fusedmoe.quant.fp4 import pack_nibbles
+
+    q = dataclasses.replace(quantize(torch.randn(1, 1, 256), tq), data=pack_nibbles(codes))
+    w4 = to_w4(q, tq, pack_block=128)
+    b = w4.bytes_u8()[0, 0].long()
+    for blk in range(2):
+        for j in range(64):
+            byte = b[blk * 64 + j]
+            assert byte & 0xF == codes[0, 0, blk * 128 + j] and byte >> 4 == codes[0, 0, blk * 128 + 64 + j]
+
+
+def test_layout_invariants():
+    tq = SCHEMES["int4_g32_actorder"].w1
+    q = _quantized(SCHEMES["int4_g32_actorder"], 2, 8, 96)
+    w4 = to_w4(q, tq)  # PK 64: K 96 -> 128
+    assert isinstance(w4, W4Tensor) and w4.layout == LAYOUT and w4.w_fmt == "int4" and w4.group_size == 32
+    assert w4.data.dtype == torch.int32 and tuple(w4.data.shape) == (2, 8, 128 // 8) and w4.k_padded == 128
+    assert tuple(w4.scale.shape) == (2, 8, 4) and bool((w4.scale[..., 3] == 0).all())  # padded group: scale 0
+    # act-order: the stored columns are sorted by group, so group i is positions [32 i, 32 i + 32)
+    for e in range(2):
+        perm = w4.perm[e, :96].long()
+        assert torch.equal(torch.sort(perm).values, torch.arange(96))
+        assert torch.equal(q.g_idx[e].long()[perm], torch.arange(96) // 32)
+    assert torch.equal(w4.g_idx[0], torch.arange(128, dtype=torch.int32) // 32)
+    # read as the reference layout, the int32 words fail on shapes instead of giving wrong values
+    with pytest.raises(RuntimeError):
+        dequantize(w4, tq)
+    one = w4.select(1)
+    assert one.layout == LAYOUT and one.perm.shape == (1, 128) and torch.equal(one.data[0], w4.data[1])
+    assert set(w4.tensors()) == {"data", "scale", "g_idx", "perm"}
+
+
+def test_convertible_says_why_not():
+    assert convertible(QuantScheme.int4_w4a16(128).w1) is None
+    assert "w4 layout is for" in convertible(QuantScheme.fp8_per_tensor().w1)
+    from fusedmoe.quant import Granularity, QDtype, TensorQuant
+
+    assert "group scales" in convertible(TensorQuant(QDtype.INT4, Granularity.channel()))
+    assert "power-of-2" in convertible(QuantScheme.int4_w4a16(96).w1)
+    assert "pack_block" in convertible(QuantScheme.mxfp4_w4a16().w1, pack_block=48)
+    tq = SCHEMES["int4_g32_actorder"].w1
+    q = _quantized(SCHEMES["int4_g32_actorder"], 1, 4, 64)
+    q.g_idx = torch.zeros(1, 64, dtype=torch.int32)  # every column in group 0: sizes 64 and 0
+    assert "unequal" in convertible(tq, q)
+    assert supports(tq, None, torch.bfloat16) is None
+    assert "float activations" in supports(tq, QuantScheme.fp8_per_tensor().a1, torch.bfloat16)
+    assert "bf16/fp16/fp32" in supports(tq, None, torch.int8)
+
+
+def test_expert_weights_round_trip():
+    scheme = QuantScheme.int4_w4a16(32, zero_points=True)
+    w13, w2 = torch.randn(3, 64, 96), torch.randn(3, 96, 32)
+    ew = ExpertWeights.from_float(w13, w2, scheme)
+    conv = to_w4_weights(ew, scheme)
+    assert conv.layout == LAYOUT and conv.w13.layout == LAYOUT
+    with pytest.raises(ValueError):
+        conv.dequantized(scheme)  # the reference-layout check of ExpertWeights
+    back = from_w4_weights(conv)
+    assert back.layout == "reference"
+    for f in ("data", "scale", "zero"):
+        assert _equal(getattr(back.w13, f), getattr(ew.w13, f)) and _equal(getattr(back.w2, f), getattr(ew.w2, f))
+
+
+# ---- launch configs ----------------------------------------------------------------------------
+
+
+def test_launch_config_new_fields():
+    cfg = LaunchConfig(1, 32, 256, 1, 4, 4, split_k=4, w_major=1)
+    assert eval(repr(cfg)) == cfg
+    assert LaunchConfig.parse("1,32,256,1,4,4") == LaunchConfig(1, 32, 256, 1, 4, 4)
+    assert LaunchConfig.parse("1,32,256,1,4,4,4") == LaunchConfig(1, 32, 256, 1, 4, 4, 4)
+    assert LaunchConfig.parse("1,32,256,1,4,4,4,1") == cfg
+    for bad in ("1,32,256", "1,32,256,1,4,4,4,1,1,1,1,1,9", "1,32,256,1,4,4,nope=1"):
+        with pytest.raises(ValueError):
+            LaunchConfig.parse(bad)
+    with pytest.raises(ValueError):
+        LaunchConfig(split_k=0)
+    with pytest.raises(ValueError):
+        LaunchConfig(w_major=2)
+
+
+def test_fit_and_default_w4_config():
+    w4 = to_w4(_quantized(SCHEMES["mxfp4"], 2, 16, 2880), SCHEMES["mxfp4"].w1)  # gpt-oss K: PK 64
+    assert w4.pack_block == 64 and w4.k_padded == 2880
+    fma = fit_w4_config(LaunchConfig(1, 32, 256, 1, 4, 4, split_k=64, w_major=1), w4)
+    assert fma.block_k == 64 and fma.split_k == 45  # the FMA path steps one pack block; <= K steps
+    dot = fit_w4_config(LaunchConfig(16, 64, 32, 1, 4, 4, w_major=1), w4)
+    assert dot.block_k == 64 and dot.w_major == 1
+    assert fit_w4_config(LaunchConfig(4, 32, 256, 1, 4, 4, w_major=1), w4).w_major == 0  # BM 2..8: per row
+    for m, e, n, k, gated in ((2, 8, 4096, 14336, False), (16, 128, 1536, 2048, True), (32768, 128, 2048, 768, False)):
+        cfg = w4_launch_config(m, e, n, k, w4, gated=gated)
+        assert cfg.block_k % w4.pack_block == 0 and cfg.split_k >= 1
+    assert default_w4_config(2, 8, 4096, 14336).split_k == 4  # Mixtral GEMM2 at T = 1
+    assert default_w4_config(8, 128, 2048, 768).split_k == 1  # Qwen3: K 768 is 3 steps
+    assert default_w4_config(4, 8, 28672, 4096, gated=True).split_k == 1
+
+
+# ---- the kernel against the float64 reference --------------------------------------------------
+
+MODES = {  # (BM, w_major): how the operands meet
+    "fma1": (1, 1),  # FMA, [BN, PK/2] partial sums reduced after the loop
+    "fma": (2, 0),  # FMA, one reduction per K step and A row
+    "dot": (16, 0),  # tensor cores, C = A @ W^T
+    "swap": (16, 1),  # tensor cores, C^T = W @ A^T
+}
+# (label, T, E, top-k, routing, N out, K): the labelled edge cases (STYLE point 7)
+EDGES = [
+    ("empty_expert", 9, 5, 2, "skip_last", 40, 128),
+    ("one_expert", 10, 4, 1, "one_expert", 32, 128),
+    ("TK_not_multiple", 11, 6, 3, "random", 24, 128),
+    ("prime_E_odd_N", 13, 7, 2, "random", 37, 128),
+    ("K_padded", 6, 4, 2, "random", 32, 192),  # PK 128 (or 64) does not divide K: padded
+    ("T1", 1, 4, 2, "random", 32, 128),
+    ("T0", 0, 4, 2, "random", 32, 128),
+]
+ACTS = [None, Activation.SILU, Activation.SWIGLUOAI]
+
+
+@dataclasses.dataclass
+class Case:
+    scheme: str
+    mode: str
+    layout: str = "standard"
+    act: Activation | None = None
+    split: int = 1
+    edge: tuple = EDGES[2]
+    bias: bool = True
+
+    @property
+    def id(self) -> str:
+        act = "plain" if self.act is None else self.act.value
+        return f"{self.scheme}-{self.mode}-{self.layout}-{act}-s{self.split}-{self.edge[0]}"
+
+
+def _cases() -> list[Case]:
+    out = []
+    for i, scheme in enumerate(SCHEMES):
+        for j, mode in enumerate(MODES):
+            r = i * len(MODES) + j
+            out.append(
+                Case(
+                    scheme,
+                    mode,
+                    ("standard", "batched")[r % 2],
+                    ACTS[r % 3],
+                    (1, 2, 3)[(r // 2) % 3],
+                    EDGES[r % 5],
+                    bias=r % 4 != 3,
+                )  # fmt: skip
+            )
+    for k, edge in enumerate(EDGES):
+        out.append(Case(("int4_g64_zp", "nvfp4", "mxfp4")[k % 3], ("fma1", "swap")[k % 2], edge=edge, split=1 + k % 2))
+    return out
+
+
+CASES = _cases()
+
+
+def _epilogue(act: Activation | None) -> ActEpilogue | None:
+    if act is None:
+        return None
+    return ActEpilogue(act, gate_up_interleaved=act is Activation.SWIGLUOAI, swiglu_limit=1.0)
+
+
+def run_case(c: Case, out_dtype=torch.float32, device: str = DEVICE, config: LaunchConfig | None = None) -> None:
+    """One problem of ``c`` through the public op (w4 weights) vs the float64 reference (original weights)."""
+    scheme = SCHEMES[c.scheme]
+    label, t, e, k, routing_kind, n, kd = c.edge
+    if kd % scheme.w1.granularity.group_size:
+        kd = 256
+    ep = _epilogue(c.act)
+    n_w = 2 * n if ep is not None and ep.activation.is_gated else n
+    seed = zlib.crc32(c.id.encode())
+    gen = torch.Generator().manual_seed(seed)
+    bm, w_major = MODES[c.mode]
+    if config is None:
+        # BN 64 (a gated activation's 32 output columns read 64 W rows): one or two column tiles
+        config = LaunchConfig(bm, 32 if n_w > n else 64, 64, 2, 4, 2, c.split, w_major)
+    counts = torch.tensor([(t * k) % 7, 0, 5, 1, 9][: max(2, min(e, 5))], dtype=torch.int32)
+    if c.layout == "batched":  # experts of a partial block, none, a few, one, two blocks
+        e = counts.numel()
+    q = _quantized(scheme, e, n_w, kd, seed=seed, device=device)
+    w4 = to_w4(q, scheme.w1)
+    bias = (torch.randn(e, n_w, generator=gen) * 0.1).to(torch.bfloat16).to(device) if c.bias else None
+    kw = dict(bias=bias, act=ep)
+    wq, w4 = Operand(q, scheme.w1), Operand(w4, scheme.w1)
+    if c.layout == "standard":
+        ids, tw = random_topk(t, e, k, gen, routing_kind)
+        r = moe_align_ref(ids.to(device), e, config.block_m)
+        x = torch.randn(t, kd, generator=gen).to(torch.bfloat16).to(device)
+        extra = dict(a_div=k, topk_weights=tw.to(device))
+        out = poison_(torch.empty(t * k, n, dtype=out_dtype, device=device))
+        x = Operand.of(x)
+        grouped_gemm(x, w4, r, out=out, config=config, **kw, **extra)
+        ref = grouped_gemm_ref(x, wq, r, **kw, **extra)
+    else:
+        m_max = int(counts.max()) + 1
+        counts = counts.to(device)
+        x = torch.randn(e, m_max, kd, generator=gen).to(torch.bfloat16).to(device)
+        rw = torch.rand(e, m_max, generator=gen).to(device)
+        out = poison_(torch.empty(e, m_max, n, dtype=out_dtype, device=device))
+        x = Operand.of(x)
+        grouped_gemm_batched(x, w4, counts, out=out, row_weights=rw, config=config, **kw)
+        ref = grouped_gemm_batched_ref(x, wq, counts, row_weights=rw, **kw)
+    tol = 1e-5 if interpreting() and out_dtype == torch.float32 else tolerance(scheme, torch.bfloat16)
+    written = ~ref.isnan()
+    assert torch.equal(~out.isnan(), written), "unwritten or wrongly written elements"
+    if written.any():
+        err = rel_error(out[written], ref[written])
+        assert err <= tol, f"relative error {err:.3g} > {tol:.3g}"
+
+
+@needs_triton
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_w4_gemm(case):
+    run_case(case)
+
+
+@needs_triton
+def test_w4_gemm_bf16_output():
+    """C in the model dtype: one rounding at the store, on the reduce path too (split 2)."""
+    run_case(Case("int4_g128", "swap", act=Activation.SILU, split=2, edge=EDGES[0]), out_dtype=torch.bfloat16)
+
+
+@needs_triton
+@pytest.mark.parametrize("split", [1, 3])
+def test_split_k_partials_summed_by_moe_sum(split):
+    """GEMM2 of the standard layout: with reduce=False the split-K partials (router weight
+    applied, bias added once) go straight to moe_sum, which sums k and s in order; an expert map
+    makes moe_sum skip the pairs of other ranks (whose partial rows are never written)."""
+    scheme = SCHEMES["mxfp4"]
+    gen = torch.Generator().manual_seed(3)
+    t, e_glob, k, h, i = 7, 6, 2, 48, 128
+    emap = torch.tensor([0, -1, 1, 2, -1, 3], dtype=torch.int32, device=DEVICE)
+    ids, tw = random_topk(t, e_glob, k, gen)
+    ids, tw = ids.to(DEVICE), tw.to(DEVICE)
+    q = _quantized(scheme, 4, h, i, device=DEVICE)
+    w4 = to_w4(q, scheme.w1)
+    cfg = LaunchConfig(1, 32, 64, 1, 4, 2, split, 1)
+    r = moe_align_ref(ids, 4, 1, expert_map=emap)
+    a = Operand.of(torch.randn(t * k, i, generator=gen).to(torch.bfloat16).to(DEVICE))
+    bias = (torch.randn(4, h, generator=gen) * 0.1).to(DEVICE)
+    fmt = GemmFormat.of(scheme.w1, None, h, i)
+    y = torch.empty(t * k, h, device=DEVICE)  # written without split-K only
+    partials = poison_(torch.empty(split * t * k * h, device=DEVICE))
+    w4 = Operand(w4, scheme.w1)
+    p = w4_gemm_launch(a, w4, y, fmt, cfg, routing=r, bias=bias, route_weights=tw, partials=partials, reduce=False)
+    c = y.view(t, k, h) if p is None else p.view(p.shape[0], t, k, h)  # splits: at most K steps
+    out = moe_sum(c, torch.empty(t, h, device=DEVICE), topk_ids=ids, expert_map=emap)
+    ref = grouped_gemm_ref(a, Operand(q, scheme.w1), r, bias=bias, topk_weights=tw)
+    local = (emap[ids.long()] >= 0).unsqueeze(-1)
+    want = torch.where(local, ref.view(t, k, h).nan_to_num(0.0), torch.zeros((), dtype=ref.dtype)).sum(1)
+    assert rel_error(out, want) <= 1e-5
+    assert torch.allclose(moe_sum_ref(c, topk_ids=ids, expert_map=emap), out, rtol=1e-5, atol=1e-6)
+
+
+# ---- real shapes (GPU) --------------------------------------------------------------------------
+
+REAL = [  # (E, H, I, T, top-k): Mixtral-like decode and a prefill batch, Qwen3-like mid batch
+    (8, 4096, 1536, 1, 2),
+    (8, 4096, 1536, 300, 2),
+    (128, 2048, 768, 64, 8),
+]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("gemm", ["gemm1", "gemm2"])
+@pytest.mark.parametrize("shape", REAL, ids=[f"E{s[0]}_H{s[1]}_I{s[2]}_T{s[3]}" for s in REAL])
+@pytest.mark.parametrize("scheme", ["int4_g128", "int4_g64_zp", "int4_g32_actorder", "mxfp4", "nvfp4"])
+def test_w4_gemm_real_shapes(scheme, shape, gemm):
+    """The configs the layer would pick (``w4_launch_config``), bf16 output, fused silu on GEMM1."""
+    e, h, i, t, k = shape
+    n, kd, act = (i, h, Activation.SILU) if gemm == "gemm1" else (h, i, None)
+    rows = t * k
+    w_rows = 2 * n if act is not None else n
+    probe = to_w4(_quantized(SCHEMES[scheme], 1, 16, kd), SCHEMES[scheme].w1)
+    cfg = w4_launch_config(rows, e, w_rows, kd, probe, gated=act is not None)
+    if act is not None:
+        cfg = gated_act_config(cfg)
+    case = Case(scheme, "fma1", act=act, edge=(f"real_{gemm}", t, e, k, "random", n, kd))
+    run_case(case, out_dtype=torch.bfloat16, config=cfg)
