@@ -504,33 +504,25 @@ _BASES = {"bf16": (128, 256, 64, 8, 3), "fp8_tensor": (128, 256, 128, 8, 3), "fp
 
 
 def candidates(op: Op, sname: str, selftest: bool) -> list:
-    """<= 8 persistent configs: the scheme's base tile; its other stage count; without the flattened
-    loop; A by slot through TMA, plain and warp-specialized (4 warps: a producer and two consumer
-    warpgroups; BM 64 with interleaved gate/up, where Triton 3.6 needs it); half the columns; a
-    64-row tile for fewer rows per expert (last: the other T keep it); for fp8_block GEMM1 the
+    """<= 7 persistent configs: the scheme's base tile; its other stage count; without the flattened
+    loop; A by slot through TMA (warp specialization is declined: wrong results on an H100); half
+    the columns; a 64-row tile for fewer rows per expert (last: the other T keep it); for fp8_block GEMM1 the
     fp8 + 1x128 group-scale output (64 x 128 output columns: a piece must hold whole groups).
     Under a gated activation BN counts output columns, each reading a gate and an up W row."""
     from fusedmoe.kernels.launch_config import LaunchConfig, fit_launch_config
 
     bm, width, bk, warps, stages = _BASES[sname]
     gated = op.act is not None and op.act.activation.is_gated
-    interleaved = gated and op.act.gate_up_interleaved
 
     def cfg(bm_, width_, warps_, stages_, **kw):
         return LaunchConfig(bm_, width_ // 2 if gated else width_, bk, 8, warps_, stages_, persistent=True, **kw)
 
     base = cfg(bm, width, warps, stages)
-    ws = (
-        cfg(64, 128, 4, stages, warp_specialize=True)
-        if interleaved
-        else cfg(128, width, 4, stages, warp_specialize=True)
-    )
     out = [
         ("big", base),
         (f"big_s{7 - stages}", replace(base, num_stages=7 - stages)),
         ("big_noflat", replace(base, flatten=False)),
         ("sorted", base),
-        ("sorted_ws", ws),
         ("mid", cfg(128, width // 2, 8, 4)),
     ]
     if sname == "fp8_block" and op.gemm == "gemm1":

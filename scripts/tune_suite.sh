@@ -4,7 +4,7 @@
 # The four presets x bf16, fp8_tensor, fp8_block at T = 1,16,64,256,1024,4096 first, then the
 # extra token counts while the budget lasts. $OUT gets three files:
 #   tuned_configs.tgz   <gpu>/<scheme>/E=..,N=..,K=...json (the shipped files merged with this run's
-#                       entries): tar xzf it in src/fusedmoe/configs/
+#                       entries): tar xzf it in src/fusedmoe/kernels/configs/
 #   tune_summary.md     per file and token count: config, ms, speedup over the heuristic config
 #   tune.log            the environment and the tuner's progress
 # Knobs (environment): BUDGET_S (the tuner's wall-clock budget, default 480 s), TOKENS,
@@ -16,7 +16,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 WORK=$(mktemp -d)  # the JSON tree stays out of $OUT: only the tarball comes back
 # start from the shipped files: a run of some token counts replaces those entries, keeps the rest
-mkdir -p "$WORK/configs" && cp -r src/fusedmoe/configs/. "$WORK/configs/"
+mkdir -p "$WORK/configs" && cp -r src/fusedmoe/kernels/configs/. "$WORK/configs/"
 LOG="$OUT/tune.log"
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())' | tee "$LOG"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv >> "$LOG" 2>&1

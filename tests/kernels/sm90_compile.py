@@ -39,12 +39,11 @@ class Case:
     sorted_a: bool = False
     batched: bool = False
     no_spill: bool = True  # spilled bytes must be 0
-    specialized: bool = False  # warp specialization must have happened (12 warps)
 
 
 def _p(bm, bn, bk, warps, stages, **kw) -> dict:
     return dict(block_m=bm, block_n=bn, block_k=bk, group_m=8, num_warps=warps, num_stages=stages, persistent=True,
-                warp_specialize=kw.get("ws", False), flatten=kw.get("flatten", True), epilogue_subtile=kw.get("sub", 1))  # fmt: skip
+                flatten=kw.get("flatten", True), epilogue_subtile=kw.get("sub", 1))  # fmt: skip
 
 
 CASES = [
@@ -52,27 +51,10 @@ CASES = [
     Case("bf16 gemm1 silu 128x(2x128)", "bf16", "gemm1", _p(128, 128, 64, 8, 3), act="silu"),
     Case("bf16 gemm1 swigluoai il+bias", "bf16", "gemm1", _p(128, 128, 64, 8, 3), act="swigluoai_il"),
     Case("bf16 gemm2 subtile 2", "bf16", "gemm2", _p(128, 256, 64, 8, 3, sub=2)),
-    Case(
-        "bf16 gemm1 sorted ws",
-        "bf16",
-        "gemm1",
-        _p(128, 128, 64, 4, 3, ws=True),
-        act="silu",
-        sorted_a=True,
-        specialized=True,
-    ),  # fmt: skip
     Case("bf16 batched gemm2 64x128", "bf16", "gemm2", _p(64, 128, 64, 4, 3), batched=True),
     Case("fp8_tensor gemm2 128x256", "fp8_tensor", "gemm2", _p(128, 256, 128, 8, 3)),
     Case("fp8_block gemm2 128x128", "fp8_block", "gemm2", _p(128, 128, 128, 8, 4)),
     Case("fp8_block gemm1 g128 out", "fp8_block", "gemm1", _p(64, 128, 128, 8, 4), act="silu", out="g128"),
-    Case(
-        "fp8_block gemm2 sorted ws",
-        "fp8_block",
-        "gemm2",
-        _p(128, 128, 128, 4, 4, ws=True),
-        sorted_a=True,
-        specialized=True,
-    ),  # fmt: skip
     Case("int8 channel gemm2 (int32 acc)", "int8_w8a8_channel", "gemm2", _p(128, 256, 128, 8, 3)),
     Case("int8 w8a16 gemm2", "int8_w8a16", "gemm2", _p(128, 128, 64, 8, 3)),
     Case(
@@ -221,8 +203,6 @@ def problems(case: Case, res: dict) -> list[str]:
         bad.append(f"shared memory {res['smem']} > {SMEM_LIMIT}")
     if case.no_spill and res["spill_bytes"] != 0:
         bad.append(f"{res['spill_bytes']} bytes spilled")
-    if case.specialized and res["warps"] != 12:
-        bad.append(f"not warp-specialized ({res['warps']} warps)")
     return bad
 
 

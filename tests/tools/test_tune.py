@@ -63,7 +63,8 @@ def test_candidates_keep_small_tiles_for_decode():
 def test_group_m_only_where_an_expert_has_several_tiles():
     assert {c.group_m for c in candidates("quick", 8, 64)} == {1}  # 0.125 rows per expert
     many = candidates("quick", 64 * 512, 64)  # 512 rows per expert: several tiles at every BM
-    assert {c.group_m for c in many} == {1, 8} and len(many) == 96
+    assert {c.group_m for c in many} == {1, 8} and len(many) == 96 + 16  # + the persistent kernel's
+    assert sum(c.persistent for c in many) == 16
 
 
 def test_combos_whose_scheme_cannot_store_the_shape_are_refused_with_the_reason():

@@ -165,7 +165,16 @@ def default_launch_config(m_pairs: int, num_experts: int, n: int, k: int, scheme
     # tl.dot needs K >= 32 for 8-bit operands and >= 16 for 16-bit ones on Hopper; a tile
     # longer than K is masked, so tiny K (H = I = 8, found by the GPU fuzzer) keeps the minimum
     bk = min(bk, max(32 if narrow else 16, _pow2_at_least(k)))
+    if bm == 128 and scheme_key in _PERSISTENT_KEYS and n >= 256 and k >= 128:
+        # prefill: the persistent TMA-fed kernel, with the tile that won each GEMM of the H100 kernel
+        # bench at T = 4096 (1.02-1.63x over this kernel; ``grouped_gemm_persistent`` declines what it
+        # does not serve, e.g. on GPUs without TMA, and the one-program-per-tile kernel runs instead)
+        block = scheme_key.endswith("_block")
+        return LaunchConfig(128, 128 if block else 256, bk, 8, 8, 4 if block else 3, persistent=True)
     return LaunchConfig(bm, bn, bk, group_m, warps, stages)
+
+
+_PERSISTENT_KEYS = ("bf16", "fp8", "fp8_block", "int8", "int8_block", "w8a16")
 
 
 @functools.lru_cache(maxsize=1024)

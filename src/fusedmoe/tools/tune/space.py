@@ -41,6 +41,22 @@ DECODE_SPACE = dict(
     num_stages=(3, 4),
 )
 DECODE_ROWS = 8
+# Steps with at least PREFILL_ROWS rows per expert also try the persistent TMA-fed kernel (Hopper;
+# ``grouped_gemm_persistent``): the tiles that won each prefill GEMM of the kernel bench on an H100
+# (bf16 128 x 128/256 x 64, fp8 x 128; 1.02-1.63x over the one-program-per-tile kernel at T = 4096,
+# ``benchmarks/results/kbench_prefill_h100_2026-11-25``), 16 candidates a step. Where the kernel
+# does not serve a scheme (4-bit, mxfp8, nvfp4 activations) the launch runs the other kernel,
+# which the tuner then times like any other candidate.
+PERSISTENT_SPACE = dict(
+    block_m=(64, 128),
+    block_n=(128, 256),
+    block_k=(64, 128),
+    group_m=(8,),
+    num_warps=(8,),
+    num_stages=(3, 4),
+    persistent=(True,),
+)
+PREFILL_ROWS = 64
 ALL_PRESETS = ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3", "gpt-oss-20b")  # ``--preset all``
 SCHEMES = ("bf16", "fp8_tensor", "fp8_block")  # ``--scheme all``
 MIN_CANDIDATES = 4  # kept per step (besides the heuristic) whatever the budget
@@ -53,7 +69,8 @@ def parse_presets(text: str) -> list[str]:
 
 def candidates(space: str, m_pairs: int, num_experts: int, block_m: int | None = None) -> list[LaunchConfig]:
     """The space's configs whose BM suits the rows per expert (at most 4x the need, at least 16),
-    and for decode steps (``DECODE_ROWS``) the FMA path's (BM < 16, at most twice the rows).
+    and for decode steps (``DECODE_ROWS``) the FMA path's (BM < 16, at most twice the rows), for
+    prefill steps (``PREFILL_ROWS``) the persistent kernel's.
 
     ``block_m`` pins BM: the layer aligns the pairs once, with GEMM1's BM, and GEMM2 runs
     on that alignment, so GEMM2 is tuned under the BM GEMM1 chose (tuning it freely
@@ -66,6 +83,8 @@ def candidates(space: str, m_pairs: int, num_experts: int, block_m: int | None =
     grids = [dict(SPACES[space])]
     if space != "tiny" and rows <= DECODE_ROWS:
         grids.append(dict(DECODE_SPACE))
+    if space != "tiny" and rows >= PREFILL_ROWS:
+        grids.append(dict(PERSISTENT_SPACE))
     need = max(16, 4 * m_pairs // max(1, num_experts))
     out = []
     for grid in grids:
