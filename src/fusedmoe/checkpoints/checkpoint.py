@@ -56,19 +56,22 @@ def _load_experts(moe: FusedMoE, reader: CheckpointReader, fmt: CheckpointFormat
     e_all = arch.config.num_experts
     if arch.fused_experts:
         for proj, shard in (("gate_up_proj", "w13"), ("down_proj", "w2")):
-            pieces = fmt.fused(reader, f"{block}.experts", proj)
-            for key, t in pieces.items():
-                what = f"checkpoint tensor '{block}.experts.{proj}' ({key})"
-                expect(t.shape[0] == e_all, what, f"{e_all} experts in dim 0", tuple(t.shape))
-            for e in moe.local_experts:
+            with reader.naming(f"{block}.experts.{proj}"):
+                pieces = fmt.fused(reader, f"{block}.experts", proj)
                 for key, t in pieces.items():
-                    moe.weight_loader(f"{_PREFIX[shard]}_{key}", t[e], e, shard)
+                    what = f"checkpoint tensor '{block}.experts.{proj}' ({key})"
+                    expect(t.shape[0] == e_all, what, f"{e_all} experts in dim 0 (config.json)", tuple(t.shape))
+                for e in moe.local_experts:
+                    for key, t in pieces.items():
+                        moe.weight_loader(f"{_PREFIX[shard]}_{key}", t[e], e, shard)
         return
+    reader.check_expert_count(f"{block}.experts", e_all)
     for e in moe.local_experts:
         for shard, name in arch.expert_names:
-            pieces = fmt.linear(reader, f"{block}.experts.{e}.{name}")
-            for key, t in pieces.items():
-                moe.weight_loader(f"{_PREFIX[shard]}_{key}", t, e, shard)
+            with reader.naming(f"{block}.experts.{e}.{name}"):
+                pieces = fmt.linear(reader, f"{block}.experts.{e}.{name}")
+                for key, t in pieces.items():
+                    moe.weight_loader(f"{_PREFIX[shard]}_{key}", t, e, shard)
 
 
 def _build(

@@ -26,12 +26,14 @@ writes into it and allocates none of these. Batched layout: the same two GEMMs o
 [E_l, M, .] with per-expert counts read by the kernel (no align, no sum: combine
 weights and scatters); its workspace is h (unfused only) and a2 for E_l * M rows.
 
-Unfused, rows that no local pair writes (pairs of experts mapped to -1, rows past the
-counts) are zero-filled before the activation so a per-tensor dynamic a2 scale
-never sees uninitialised memory (zeros leave an abs-max unchanged). With a
-reused workspace this matters more: such rows hold the previous call's values.
-Fused, such rows of a2 are never written and never read (GEMM2 reads the rows of
-local pairs only, ``moe_sum`` skips the others).
+Rows that no local pair writes (pairs that contribute nothing: ids outside [0, E), experts
+mapped outside [0, E_l), see ``metadata.TopK``; batched rows past the counts) are never
+read as outputs: GEMM2 reads the rows of local pairs only and ``moe_sum`` skips the
+others. Unfused, they are zero-filled before the activation where a per-tensor dynamic
+a2 scale (an abs-max over every row) would see them (batched: always), so it never
+sees uninitialised memory (zeros leave an abs-max unchanged); with a reused workspace
+such rows hold the previous call's values. Other a2 scales are per row: a stale row
+only makes its own, unread, output.
 
 Deterministic mode (``deterministic``; ``FUSEDMOE_DETERMINISTIC=1`` when built): the
 launch config does not depend on the token count (``pick_launch_config``), so every
@@ -53,6 +55,7 @@ from ..kernels.align import moe_align
 from ..kernels.grouped_gemm import ActEpilogue, grouped_gemm, grouped_gemm_batched, scheme_key
 from ..kernels.launch_config import gated_act_config, pick_launch_config
 from ..kernels.moe_sum import moe_sum
+from ..metadata import int32_ids
 from ..quant import Operand, QTensor
 from .base import ALL_SCHEMES, Capabilities, Experts
 
@@ -159,7 +162,8 @@ class TritonExperts(_TritonBase):
         e_l = weights.num_experts
         pairs = t * k
         lc = self._launch_config(pairs, e_l, cfg.w13_rows, cfg.hidden_size, sch.w1, sch.a1)
-        ids = topk.ids.to(torch.int32)  # the align kernel takes int32; routers may give int64
+        # the align kernel takes int32; routers may give int64
+        ids = int32_ids(topk.ids, e_l if expert_map is None else expert_map.shape[0])
         routing = moe_align(ids, e_l, lc.block_m, expert_map)
         ep = self.act_epilogue()
         if ep is not None:
@@ -167,7 +171,7 @@ class TritonExperts(_TritonBase):
             a2 = self._gemm1_act(a, weights, ep, pairs, workspace, grouped_gemm, routing=routing, a_div=k, config=lc1)
         else:
             h = take(workspace, "h", (pairs, cfg.w13_rows), cfg.dtype, dev)
-            if expert_map is not None:
+            if _tensor_dynamic(sch.a2):
                 h.zero_()
             w13 = Operand(weights.w13, sch.w1)
             grouped_gemm(Operand(a, sch.a1), w13, routing, bias=weights.b13, a_div=k, out=h, config=lc)
@@ -185,7 +189,7 @@ class TritonExperts(_TritonBase):
             out=y,
             config=lc2,
         )
-        moe_sum(y.view(t, k, -1), out, topk_ids=ids, expert_map=expert_map)
+        moe_sum(y.view(t, k, -1), out, topk_ids=ids, expert_map=expert_map, num_local_experts=e_l)
 
 
 class TritonBatchedExperts(_TritonBase):

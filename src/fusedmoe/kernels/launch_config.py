@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
 
 from .. import env
-from ..errors import expect
+from ..errors import FusedMoEError, expect
 from . import tuned_configs
 
 
@@ -68,7 +68,10 @@ class LaunchConfig:
             f"{len(names)} comma-separated integers ({','.join(names)})",
             text,
         )
-        return cls(*(int(p) for p in parts))
+        try:
+            return cls(*(int(p) for p in parts))
+        except FusedMoEError as err:  # a field out of range: name the variable it came from
+            raise FusedMoEError(f"{env.LAUNCH_CONFIG}={text!r}: {err}") from None
 
 
 _OVERRIDE: list[LaunchConfig] = []
