@@ -28,6 +28,42 @@ elif not HAS_CUDA:
     )
 
 
+# ---- the robustness suite's totals (tests/robustness): cases per class and what each expects ----
+# Each case carries ("robust", "<class>:<error|reference>") in its user_properties (set by
+# tests/robustness/conftest.py), which reach this controller process under xdist too.
+_ROBUST: dict[tuple[str, str], list[int]] = {}
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "robust(cls, kind): a case of the robustness suite: issue class, 'error' or 'reference'"
+    )
+
+
+def pytest_runtest_logreport(report):
+    tag = dict(report.user_properties).get("robust")
+    if tag is None or not (report.when == "call" or (report.when == "setup" and not report.passed)):
+        return
+    cls, kind = tag.split(":")
+    counts = _ROBUST.setdefault((cls, kind), [0, 0])
+    counts[0 if report.passed else 1] += 1
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _ROBUST:
+        return
+    tr = terminalreporter
+    tr.section("robustness suite (tests/robustness): cases per issue class")
+    tr.line(f"{'class':>8} {'clear error':>12} {'= reference':>12} {'not passed':>11}")
+    total = [0, 0, 0]
+    for cls in sorted({c for c, _ in _ROBUST}, key=lambda c: (len(c), c)):
+        err, ref = _ROBUST.get((cls, "error"), [0, 0]), _ROBUST.get((cls, "reference"), [0, 0])
+        row = [err[0], ref[0], err[1] + ref[1]]
+        total = [a + b for a, b in zip(total, row, strict=True)]
+        tr.line(f"{cls:>8} {row[0]:>12} {row[1]:>12} {row[2]:>11}")
+    tr.line(f"{'total':>8} {total[0]:>12} {total[1]:>12} {total[2]:>11}   ({sum(total)} cases)")
+
+
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:
         return

@@ -418,8 +418,8 @@ _BAD_CONFIGS = [
     ("scaling_str", dict(routed_scaling_factor="2.5"), "RouterConfig.routed_scaling_factor"),
     ("custom_not_callable", dict(custom_fn="topk"), "RouterConfig.custom_fn"),
     (
-        "custom_with_renorm",
-        dict(custom_fn=llama4_routing, renormalize=True),
+        "custom_without_renorm",
+        dict(custom_fn=llama4_routing, renormalize=False),
         "RouterConfig.custom_fn",
     ),
     (

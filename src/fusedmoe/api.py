@@ -58,15 +58,20 @@ def fused_moe(
     """One MoE layer: x [T, H] -> [T, H].
 
     routing: router logits [T, E] (routed with ``router``, a
-    ``routing.RouterConfig``; default softmax top-k with renormalization), or
-    a ``TopK`` / ``(topk_ids [T, K] int, topk_weights [T, K] float)`` pair.
+    ``routing.RouterConfig`` with this config's E and K; default softmax top-k with
+    renormalization, ``RouterConfig``'s own default), or a ``TopK`` / ``(topk_ids [T, K] int,
+    topk_weights [T, K] float)`` pair. A pair whose id is outside [0, E) (-1 included)
+    contributes nothing (``metadata.TopK``).
     backend: an Experts backend name or "auto" (the oracle's choice).
 
     Compiles with ``torch.compile(fullgraph=True)``: the configuration arguments are
     constants of the graph (a new value recompiles).
     """
     scheme = _UNQUANTIZED if scheme is None else scheme
-    topk = _as_topk(routing, config, router)
+    if not (isinstance(config, MoEConfig) and isinstance(scheme, QuantScheme)):  # before they key a kernel
+        expect(isinstance(config, MoEConfig), "config", "a MoEConfig", type(config))
+        expect(False, "scheme", "a QuantScheme (or None: unquantized)", type(scheme))
+    topk = _as_topk(routing, x, config, router)
     if torch.compiler.is_compiling():
         # the kernel is chosen and built while tracing; the graph records its name
         name = _kernel_name(config, scheme, backend, dispatcher, chunk_size, platform, expert_map is not None)
@@ -126,16 +131,27 @@ def _kernel_name(*key) -> str:
     return cached_kernel(*key).name
 
 
-def _as_topk(routing, config: MoEConfig, router) -> TopK:
+def _as_topk(routing, x, config: MoEConfig, router) -> TopK:
     if isinstance(routing, TopK):
         return routing
-    if isinstance(routing, tuple):
+    if isinstance(routing, (tuple, list)):
         expect(len(routing) == 2, "routing", "(topk_ids, topk_weights)", len(routing))
         return TopK(routing[0], routing[1])
-    expect(
-        isinstance(routing, torch.Tensor), "routing", "router logits [T, E], a TopK or (ids, weights)", type(routing)
-    )
-    return (router or _default_router(config.num_experts, config.top_k)).route(routing)
+    e = config.num_experts
+    if not isinstance(routing, torch.Tensor):
+        expect(False, "routing", "router logits [T, E], a TopK or (ids, weights)", type(routing))
+    t = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() >= 1 else None
+    if routing.dim() != 2 or routing.shape[1] != e or (t is not None and routing.shape[0] != t):
+        want = f"router logits [T, E] = [{t}, {e}] (T from x, E = num_experts)"
+        expect(False, "routing", want, tuple(routing.shape))
+    if router is None:
+        return _default_router(e, config.top_k).route(routing)
+    if not isinstance(router, RouterConfig):
+        expect(False, "router", "a RouterConfig (or None: softmax top-k, renormalized)", type(router))
+    if (router.num_experts, router.top_k) != (e, config.top_k):
+        want = f"num_experts={e}, top_k={config.top_k} as in the MoEConfig"
+        expect(False, "router", want, f"RouterConfig(num_experts={router.num_experts}, top_k={router.top_k})")
+    return router.route(routing)
 
 
 @functools.lru_cache(maxsize=64)

@@ -17,7 +17,7 @@ on a per-launch path that runs more than once per call.
 | FUSEDMOE_FUSE_ACT | GEMM1 applies the activation in its epilogue | a boolean (default on) |
 | FUSEDMOE_FUSED_ROUTING | the one-launch routing kernel on CUDA | a boolean (default on) |
 | FUSEDMOE_LAUNCH_CONFIG | pin one grouped-GEMM launch config | ``BM,BN,BK,GROUP_M,WARPS,STAGES`` |
-| FUSEDMOE_CONFIG_DIR | a folder of tuned configs searched first | a path |
+| FUSEDMOE_CONFIG_DIR | the folder of tuned configs: searched first, and where ``fusedmoe tune`` writes | a path |
 | FUSEDMOE_FAST_LAUNCH | known kernels launched by their binary (``kernels.launch``) | a boolean (default on) |
 
 Booleans accept 1/true/yes/on and 0/false/no/off (any case); an empty value is the default.
@@ -26,6 +26,8 @@ Booleans accept 1/true/yes/on and 0/false/no/off (any case); an empty value is t
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 from .errors import FusedMoEError
 
@@ -133,3 +135,28 @@ def fast_launch() -> bool:
 def chunk_size() -> int | None:
     """``FUSEDMOE_CHUNK_SIZE``, or None when unset."""
     return positive_int(CHUNK_SIZE)
+
+
+def check_all() -> None:
+    """Parse every variable that changes a kernel, so a bad value is an error when a kernel is
+    built even where nothing reads it (``FUSEDMOE_FUSE_ACT=nope`` on a CPU backend)."""
+    for name in (DETERMINISTIC, CHECK_VALUES, FUSE_ACT, FUSED_ROUTING):
+        flag(name)
+    chunk_size()
+
+
+def config_dir() -> Path:
+    """The user's folder of tuned launch configs: ``FUSEDMOE_CONFIG_DIR``, else the platform's
+    user config folder + ``fusedmoe/configs`` (what platformdirs' user_config_dir gives: Linux
+    ``$XDG_CONFIG_HOME`` or ``~/.config``, macOS ``~/Library/Application Support``, Windows
+    ``%APPDATA%``). ``fusedmoe tune`` writes there, never into the installed package."""
+    v = raw(CONFIG_DIR)
+    if v is not None:
+        return Path(v).expanduser()
+    if sys.platform == "win32":
+        base = Path(os.environ.get("APPDATA") or Path.home() / "AppData" / "Roaming")
+    elif sys.platform == "darwin":
+        base = Path.home() / "Library" / "Application Support"
+    else:
+        base = Path(raw("XDG_CONFIG_HOME") or Path.home() / ".config")
+    return base / "fusedmoe" / "configs"

@@ -279,6 +279,9 @@ class FusedMoE(torch.nn.Module):
         src = loaded.detach().to(dst.device)
         src = self._check_dtype(src, spec, param_name, what)
         if spec.kind == "expert":
+            # a static activation scale of 0 made the whole output 0: refused here, once per tensor
+            ok = src.numel() > 0 and bool(torch.isfinite(src).all() and (src > 0).all())
+            expect(ok, what, "finite static activation scales > 0 (dequantization multipliers)", src.flatten().tolist())
             v = src.float().max().reshape(())
             key = (param_name, local, "any")
             dst.copy_(torch.maximum(dst, v) if key in self._loaded else v)

@@ -18,6 +18,13 @@ class TopK:
 
     ids:     int32 [T, K] global expert ids, distinct within a row.
     weights: float32 [T, K] router weights (already renormalized/scaled).
+
+    Ids outside [0, E) (-1, the usual "no expert" mark, included) are not errors: such a
+    (token, k) pair contributes nothing, and its weight is dropped (the token's other pairs
+    are not renormalized). So does a pair whose expert maps to an entry outside [0, E_local)
+    of the expert map (-1: another rank's expert). Every backend, dispatcher and kernel
+    honours this without reading the ids on the host (``local_expert_ids``); with value
+    checks on (``FUSEDMOE_CHECK_VALUES``) ids other than -1 outside [0, E) raise instead.
     """
 
     ids: torch.Tensor
@@ -62,3 +69,24 @@ class AlignedRouting:
         """Upper bound on used slots: every expert's run rounded up to BM."""
         bound = num_pairs + num_local_experts * (block_m - 1)
         return max(block_m, -(-bound // block_m) * block_m)
+
+
+def local_expert_ids(ids: torch.Tensor, expert_map: torch.Tensor | None, num_local: int) -> torch.Tensor:
+    """int64 local expert of each element of ``ids``, or -1 for a pair that contributes nothing
+    (see ``TopK``): an id outside [0, E) (E = the expert map's length, or ``num_local`` without
+    one) or one whose map entry is outside [0, num_local). Two or three elementwise ops; never
+    indexes out of bounds, whatever ``ids`` and ``expert_map`` hold."""
+    e = ids.long()
+    if expert_map is None:
+        return torch.where((e >= 0) & (e < num_local), e, -1)
+    n = expert_map.shape[0]
+    local = expert_map.long()[e.clamp(0, max(n - 1, 0))] if n else torch.full_like(e, -1)
+    return torch.where((e >= 0) & (e < n) & (local >= 0) & (local < num_local), local, -1)
+
+
+def int32_ids(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``ids`` as int32 for the kernels, keeping every id outside [0, num_experts) outside it
+    (a plain cast would wrap an int64 id of 2^32 + 1 to the valid id 1). No-op for int32."""
+    if ids.dtype == torch.int32:
+        return ids
+    return ids.long().clamp(-1, num_experts).to(torch.int32)

@@ -9,6 +9,7 @@ torch.cuda directly what the hardware is.
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -116,3 +117,23 @@ def current_platform() -> Platform:
     if _CURRENT is None:
         _CURRENT = Platform.detect()
     return _CURRENT
+
+
+def host_memory_available() -> int | None:
+    """Bytes of host memory a new allocation can take now, or None where the OS does not say.
+
+    Linux: ``MemAvailable`` of /proc/meminfo (free pages plus the page cache the kernel can
+    drop: what ``free`` reports as available); elsewhere ``os.sysconf``'s free physical
+    pages where it has them. Read when it matters (``fusedmoe run`` on a CPU), never cached.
+    """
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None

@@ -52,7 +52,7 @@ import torch
 
 from . import env
 from .errors import expect
-from .metadata import TopK
+from .metadata import TopK, int32_ids
 
 __all__ = ["SCORINGS", "RouterConfig", "route"]
 
@@ -73,7 +73,9 @@ class RouterConfig:
     num_experts:      E, the width of the logits.
     top_k:            K, experts per token (1 <= K <= E).
     scoring:          'softmax' or 'sigmoid'.
-    renormalize:      divide the K weights of a token by their sum.
+    renormalize:      divide the K weights of a token by their sum (default True: what
+                      ``fused_moe`` and ``FusedMoE`` route with when given no router, and what
+                      Mixtral, Qwen3 and gpt-oss do; False for DeepSeek-V2-style routers).
     num_expert_group: G, number of expert groups for grouped top-k (None: no grouping).
     topk_group:       TG, groups kept per token (set together with G).
     routed_scaling_factor: multiplies the final weights (after renormalization).
@@ -86,7 +88,7 @@ class RouterConfig:
     num_experts: int
     top_k: int
     scoring: str = "softmax"
-    renormalize: bool = False
+    renormalize: bool = True
     num_expert_group: int | None = None
     topk_group: int | None = None
     routed_scaling_factor: float = 1.0
@@ -282,7 +284,8 @@ class RouterConfig:
             s = ids.sort(dim=-1).values
             expect(bool((s[:, 1:] != s[:, :-1]).all()), "custom_fn ids", "distinct within each row")
             expect(bool(torch.isfinite(weights).all()), "custom_fn weights", "finite values")
-        return TopK(ids=ids.to(torch.int32).contiguous(), weights=weights.to(torch.float32).contiguous())
+        # int32_ids: an int64 id past 2^31 must stay outside [0, E) (contributing nothing), not wrap into it
+        return TopK(ids=int32_ids(ids, e).contiguous(), weights=weights.to(torch.float32).contiguous())
 
 
 @torch.compiler.assume_constant_result
@@ -313,7 +316,10 @@ def route(
     """Route ``router_logits`` [T, E] to ``top_k`` experts per token (see the module docstring).
 
     Equivalent to ``RouterConfig(E, top_k, ...).route(router_logits, correction_bias,
-    check_values=check_values, fused=fused)``.
+    check_values=check_values, fused=fused)`` with every setting passed; unlike
+    ``RouterConfig``, ``renormalize`` defaults to False here (the chosen experts' scores as
+    they are, the function's long-standing meaning). A ``custom_fn`` replaces the routing,
+    so ``renormalize`` must then stay False.
     """
     expect(
         isinstance(router_logits, torch.Tensor) and router_logits.dim() == 2,
@@ -321,11 +327,13 @@ def route(
         "a tensor [T, E]",
         getattr(router_logits, "shape", type(router_logits)),
     )
+    if custom_fn is not None:
+        expect(not renormalize, "renormalize", "False with a custom_fn (it replaces the routing)", renormalize)
     cfg = RouterConfig(
         num_experts=router_logits.shape[1],
         top_k=top_k,
         scoring=scoring,
-        renormalize=renormalize,
+        renormalize=renormalize if custom_fn is None else RouterConfig.renormalize,
         num_expert_group=num_expert_group,
         topk_group=topk_group,
         routed_scaling_factor=routed_scaling_factor,

@@ -16,8 +16,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .errors import expect
+from .errors import UnsupportedError, expect
 from .quant import QTensor, QuantScheme, dequantize, quantize
+from .quant.scheme import shape_supported
 from .quant.tensor import group_amax
 
 
@@ -98,6 +99,16 @@ class ExpertWeights:
         calibrated on ``calib_x`` [T, H] (the a2 scale from a generous bound);
         act-order int4 takes per-expert ``g_idx`` [E, K], random if not given.
         """
+        for name, w in (("w13", w13), ("w2", w2)):
+            ok = isinstance(w, torch.Tensor) and w.dim() == 3 and w.is_floating_point()
+            expect(ok, name, "a floating-point tensor [E, N, K]", getattr(w, "shape", type(w)))
+        expect(w2.shape[0] == w13.shape[0], "w2", f"{w13.shape[0]} experts as w13 has", tuple(w2.shape))
+        want = f"[E, H, I] = [{w13.shape[0]}, {w13.shape[2]}, I] with w13 [E, 2I or I, H] = {tuple(w13.shape)}"
+        ok = w2.shape[:2] == (w13.shape[0], w13.shape[2]) and w13.shape[1] in (w2.shape[2], 2 * w2.shape[2])
+        expect(ok, "w2", want, tuple(w2.shape))
+        why = shape_supported(scheme, w13.shape[2], w2.shape[2])
+        if why is not None:
+            raise UnsupportedError(f"w13/w2: expected sizes the scheme {scheme.name} can store: {why}")
         if scheme.w1 is None:
             return cls(w13=QTensor(w13, tuple(w13.shape)), w2=QTensor(w2, tuple(w2.shape)), b13=b13, b2=b2)
         if scheme.w1.act_order and g_idx13 is None:
@@ -113,6 +124,8 @@ class ExpertWeights:
                 calib_x = torch.randn(16, w13.shape[-1], device=w13.device)
             # a2 sees the activation output, whose size is of the order of x's for random weights
             amax = group_amax(calib_x.float(), tq.granularity.__class__.tensor()).reshape(1)
+            # a static scale of 0 (all-zero calibration) would make every output 0: one host read, once
+            expect(bool(torch.isfinite(amax).all() and (amax > 0).all()), "calib_x", "finite, not all zero", amax)
             amax = amax * (4.0 if name == "a2" else 1.0)
             if not tq.dynamic:
                 from .quant.linear import FP8_MAX, INT8_MAX
@@ -124,6 +137,15 @@ class ExpertWeights:
 
                 setattr(out, f"{name}_global_scale", nvfp4_global_scale(amax).reshape(1, 1))
         return out
+
+
+def expert_matrix(q: QTensor, tq, e: int, dtype: torch.dtype) -> torch.Tensor:
+    """Local expert ``e`` of a reference-layout operand as real numbers [N, K] in ``dtype`` (``tq``
+    None: plain values): one expert's float copy, never all of them (DeepSeek-V3's W13 + W2 in
+    float64 take 90 GB for the 256 experts, 350 MB for one)."""
+    if tq is None:
+        return q.data[e].to(dtype)
+    return dequantize(q.select(e), tq, dtype)[0]
 
 
 def random_g_idx(num_experts: int, k: int, group: int, device="cpu") -> torch.Tensor:

@@ -270,8 +270,10 @@ def test_moe_sum(t, k, h, with_map):
         c[(emap[ids.long()] < 0)] = float("nan")  # rows of non-local pairs: never written
         ids, emap = ids.to(DEVICE), emap.to(DEVICE)
     out = poison_(torch.empty(t, h, device=DEVICE))
-    moe_sum(c, out, topk_ids=ids, expert_map=emap)
-    torch.testing.assert_close(out, moe_sum_ref(c, topk_ids=ids, expert_map=emap), rtol=1e-6, atol=1e-6)
+    e_l = 4 if with_map else None
+    moe_sum(c, out, topk_ids=ids, expert_map=emap, num_local_experts=e_l)
+    ref = moe_sum_ref(c, topk_ids=ids, expert_map=emap, num_local_experts=e_l)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
 
 
 # ---- real shapes (GPU): the hardware's e4m3/bf16 conversions give the same bytes ----------

@@ -346,12 +346,12 @@ def test_split_k_partials_summed_by_moe_sum(split):
     w4 = Operand(w4, scheme.w1)
     p = w4_gemm_launch(a, w4, y, fmt, cfg, routing=r, bias=bias, route_weights=tw, partials=partials, reduce=False)
     c = y.view(t, k, h) if p is None else p.view(p.shape[0], t, k, h)  # splits: at most K steps
-    out = moe_sum(c, torch.empty(t, h, device=DEVICE), topk_ids=ids, expert_map=emap)
+    out = moe_sum(c, torch.empty(t, h, device=DEVICE), topk_ids=ids, expert_map=emap, num_local_experts=4)
     ref = grouped_gemm_ref(a, Operand(q, scheme.w1), r, bias=bias, topk_weights=tw)
     local = (emap[ids.long()] >= 0).unsqueeze(-1)
     want = torch.where(local, ref.view(t, k, h).nan_to_num(0.0), torch.zeros((), dtype=ref.dtype)).sum(1)
     assert rel_error(out, want) <= 1e-5
-    assert torch.allclose(moe_sum_ref(c, topk_ids=ids, expert_map=emap), out, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(moe_sum_ref(c, topk_ids=ids, expert_map=emap, num_local_experts=4), out, rtol=1e-5, atol=1e-6)
 
 
 # ---- real shapes (GPU) --------------------------------------------------------------------------

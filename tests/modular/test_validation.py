@@ -170,11 +170,12 @@ def test_topk_ids_out_of_range(prob, monkeypatch):
     ids = prob.topk_ids.clone()
     ids[3, 1] = E
     _call(prob, topk_ids=ids)  # a data check: off by default (it costs a host sync)
-    with pytest.raises(
-        FusedMoEError, match=r"^topk_ids: expected expert ids in \[0, E\) = \[0, 4\), got '4 at \(3, 1\)'"
-    ):
+    want = r"^topk_ids: expected expert ids in \[0, E\) = \[0, 4\), or -1 for a dropped pair, got '4 at \(3, 1\)'"
+    with pytest.raises(FusedMoEError, match=want):
         _call(prob, topk_ids=ids, check_values=True)
-    ids[3, 1] = -1
+    ids[3, 1] = -1  # the documented "no expert" mark: the pair contributes nothing (metadata.TopK)
+    _call(prob, topk_ids=ids, check_values=True)
+    ids[3, 1] = -5
     with pytest.raises(FusedMoEError, match=r"^topk_ids: expected expert ids in \[0, E\)"):
         _call(prob, topk_ids=ids, check_values=True)
     monkeypatch.setenv(ENV_CHECK_VALUES, "1")

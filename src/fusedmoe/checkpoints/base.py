@@ -22,6 +22,7 @@ global scales) so that every scale is a dequantization multiplier.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -57,31 +58,55 @@ def read_config(path: str) -> dict:
     """
     cfg_path = os.path.join(path, "config.json")
     expect(os.path.isfile(cfg_path), "checkpoint", f"a folder with config.json ({cfg_path} not found)", path)
-    with open(cfg_path) as f:
-        config = json.load(f)
+    config = _read_json(cfg_path)
     extra = os.path.join(path, "hf_quant_config.json")
     if "quantization_config" not in config and os.path.isfile(extra):
-        with open(extra) as f:
-            hq = json.load(f)
-        config["quantization_config"] = {"quant_method": "modelopt", **hq}
+        config["quantization_config"] = {"quant_method": "modelopt", **_read_json(extra)}
     return config
 
 
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as err:  # JSONDecodeError is a ValueError
+        raise FusedMoEError(f"{path}: expected a readable JSON file, got {type(err).__name__}: {err}") from None
+    expect(isinstance(data, dict), path, "a JSON object", type(data).__name__)
+    return data
+
+
 class CheckpointReader:
-    """Lazy access to the tensors of every ``*.safetensors`` file in a folder (one open per file)."""
+    """Lazy access to the tensors of every ``*.safetensors`` file in a folder (one open per file).
+
+    Opening reads each file's header: a truncated or corrupt file (safetensors checks that the
+    header's offsets cover the file exactly) is an error naming the file, and a tensor name found
+    in two files is an error naming both (one silently won before).
+    """
 
     def __init__(self, path: str, device: str | torch.device = "cpu") -> None:
         require("safetensors", "reading *.safetensors checkpoints")
         from safetensors import safe_open
 
+        expect(os.path.isdir(path), "checkpoint", "a folder with config.json and *.safetensors files", path)
         files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
         expect(bool(files), "checkpoint", "at least one *.safetensors file", path)
         self.path = path
         self.device = str(device)
-        self._handles = {f: safe_open(os.path.join(path, f), framework="pt", device=self.device) for f in files}
+        self._handles = {}
         self._where: dict[str, str] = {}
-        for f, h in self._handles.items():
-            for k in h.keys():
+        for f in files:
+            try:
+                self._handles[f] = h = safe_open(os.path.join(path, f), framework="pt", device=self.device)
+                names = list(h.keys())
+            except Exception as err:  # safetensors raises its own SafetensorError (and OSError)
+                raise FusedMoEError(f"checkpoint file '{os.path.join(path, f)}': expected a readable safetensors "
+                                    f"file, got {type(err).__name__}: {err}") from None  # fmt: skip
+            for k in names:
+                if k in self._where:
+                    raise FusedMoEError(
+                        f"checkpoint tensor '{k}': expected in one file, found in both '{self._where[k]}' and "
+                        f"'{f}' (in {path})"
+                    )
                 self._where[k] = f
 
     def keys(self) -> Iterable[str]:
@@ -95,10 +120,50 @@ class CheckpointReader:
         if name not in self._where:
             for_what = f" for {what}" if what else ""
             raise FusedMoEError(f"checkpoint tensor '{name}': expected present{for_what} (missing key in {self.path})")
-        return self._handles[self._where[name]].get_tensor(name)
+        f = self._where[name]
+        try:
+            return self._handles[f].get_tensor(name)
+        except Exception as err:
+            raise FusedMoEError(f"checkpoint tensor '{name}' in '{os.path.join(self.path, f)}': expected readable "
+                                f"data, got {type(err).__name__}: {err}") from None  # fmt: skip
 
     def get_optional(self, name: str) -> torch.Tensor | None:
         return self.get(name) if name in self._where else None
+
+    def indices(self, prefix: str) -> dict[int, str]:
+        """{n: a file holding it} for every integer n with tensors named ``prefix.n.*`` (the experts
+        the files hold under ``prefix``, which config.json's expert count must match)."""
+        head = prefix + "."
+        out: dict[int, str] = {}
+        for k, f in self._where.items():
+            if k.startswith(head):
+                n = k[len(head) :].split(".", 1)[0]
+                if n.isdigit():
+                    out.setdefault(int(n), f)
+        return out
+
+    def check_expert_count(self, prefix: str, num_experts: int) -> None:
+        """Raise unless the files hold no numbered experts under ``prefix`` beyond config.json's
+        ``num_experts`` (fewer are reported by name when a missing one is read)."""
+        extra = sorted(n for n in self.indices(prefix) if n >= num_experts)
+        if extra:
+            raise FusedMoEError(
+                f"config.json: expected its expert count ({num_experts}) to match the checkpoint files, which also "
+                f"hold '{prefix}.{extra[0]}.*' ({len(extra)} more experts, e.g. in '{self.indices(prefix)[extra[0]]}'"
+                f", {self.path})"
+            )
+
+    @contextlib.contextmanager
+    def naming(self, key: str):
+        """Errors raised inside (a format's conversion, the layer's loader) name the checkpoint
+        tensors ``key``.* and their file, not only fusedmoe's internal parameter names."""
+        try:
+            yield
+        except FusedMoEError as err:
+            if str(err).startswith(f"checkpoint tensor '{key}"):
+                raise
+            files = sorted({f for k, f in self._where.items() if k.startswith(key)}) or ["no file"]
+            raise type(err)(f"checkpoint tensor '{key}' ({', '.join(files)}): {err}") from None
 
 
 def check_tensor(

@@ -57,20 +57,24 @@ def _shared(reader: CheckpointReader, fmt: CheckpointFormat, arch: MoEArch, bloc
 def _load_experts(moe: FusedMoE, reader: CheckpointReader, fmt: CheckpointFormat, where: ExpertLayout) -> None:
     e_all = moe.config.num_experts
     for shard, proj in where.fused:
-        pieces = fmt.fused(reader, where.experts_path, proj)
-        for key, t in pieces.items():
-            what = f"checkpoint tensor '{where.experts_path}.{proj}' ({key})"
-            expect(t.shape[0] == e_all, what, f"{e_all} experts in dim 0", tuple(t.shape))
-        for e in moe.local_experts:
+        with reader.naming(f"{where.experts_path}.{proj}"):
+            pieces = fmt.fused(reader, where.experts_path, proj)
             for key, t in pieces.items():
-                moe.weight_loader(f"{_PREFIX[shard]}_{key}", t[e], e, shard)
+                what = f"checkpoint tensor '{where.experts_path}.{proj}' ({key})"
+                expect(t.shape[0] == e_all, what, f"{e_all} experts in dim 0 (config.json)", tuple(t.shape))
+            for e in moe.local_experts:
+                for key, t in pieces.items():
+                    moe.weight_loader(f"{_PREFIX[shard]}_{key}", t[e], e, shard)
+    if where.linears:
+        reader.check_expert_count(where.experts_path, e_all)
     for e in moe.local_experts if where.linears else ():
         for shard, path in where.linears[e]:
-            pieces = fmt.linear(reader, path)
-            if "bias" not in pieces and reader.has(f"{path}.bias"):  # gpt-oss experts as Linears keep biases
-                pieces["bias"] = reader.get(f"{path}.bias")
-            for key, t in pieces.items():
-                moe.weight_loader(f"{_PREFIX[shard]}_{key}", t, e, shard)
+            with reader.naming(path):
+                pieces = fmt.linear(reader, path)
+                if "bias" not in pieces and reader.has(f"{path}.bias"):  # gpt-oss experts as Linears keep biases
+                    pieces["bias"] = reader.get(f"{path}.bias")
+                for key, t in pieces.items():
+                    moe.weight_loader(f"{_PREFIX[shard]}_{key}", t, e, shard)
 
 
 def build_layer(

@@ -159,7 +159,15 @@ def find_experts(keys: Iterable[str], layer: int, num_experts: int) -> ExpertLay
     if ids != list(range(num_experts)):
         extra = sorted(set(ids) - set(range(num_experts)))
         lost = sorted(set(range(num_experts)) - set(ids))
-        problems.append(f"experts {lost} missing" if lost else f"experts {extra} beyond num_experts={num_experts}")
+        if lost:  # name a tensor config.json asks for that no file holds (as expert ids[0] names its own)
+            first = sorted(k for names in experts[ids[0]].values() for k in names)[0] if ids else f"{block}.experts.0"
+            want = first.replace(f"{block}.experts.{ids[0]}.", f"{block}.experts.{lost[0]}.", 1)
+            problems.append(f"experts {lost} missing: expected '{want}' (config.json: {num_experts} experts)")
+        else:  # and one the files hold that config.json does not know
+            problems.append(
+                f"experts {extra}: expected {num_experts} experts (config.json), the files also hold "
+                f"'{block}.experts.{extra[0]}.*'"
+            )
     linears = {}
     for e in ids:
         roles = _expert_roles(e, experts[e], problems)

@@ -16,7 +16,7 @@ import torch
 
 from ..contract import Dispatched, TokenLayout, WeightedReduce, Workspace, quantized_layout, take
 from ..errors import FusedMoEError, expect
-from ..metadata import TopK
+from ..metadata import TopK, local_expert_ids
 from ..quant import QTensor
 from .base import Dispatcher
 
@@ -89,9 +89,9 @@ class LocalBatchedDispatcher(Dispatcher):
         dev = x.device
         a = self.quantize_input(x, topk, weights, a1_scale)
         e_local = weights.num_experts
-        ids = topk.ids.long().reshape(-1)
-        local = expert_map.long()[ids] if expert_map is not None else ids
-        # pairs of other ranks' experts go to an extra bin: every shape below is known on the host
+        local = local_expert_ids(topk.ids.reshape(-1), expert_map, e_local)
+        # pairs that contribute nothing (other ranks' experts, ids outside [0, E)) go to an extra
+        # bin: every shape below is known on the host
         local = torch.where(local >= 0, local, e_local)
         counts_all = torch.zeros(e_local + 1, dtype=torch.long, device=dev).scatter_add_(
             0, local, torch.ones_like(local)

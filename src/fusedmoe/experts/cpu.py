@@ -11,7 +11,8 @@ Numerics: GEMMs in the model dtype (bf16 on CPU accumulates in fp32), the
 weighted sum over K in fp32, one rounding to the model dtype at the end.
 
 Deterministic mode (``deterministic``; ``FUSEDMOE_DETERMINISTIC=1`` when built): every
-GEMM runs over fixed tiles of 16 rows, the last one zero-padded, so a token's output
+GEMM runs over fixed tiles of 16 rows (``reference.batch_invariant_mm``), the last one
+zero-padded, so a token's output
 does not depend on how many other rows its expert got. fp32 GEMMs are MKL sgemm,
 whose result for a row changes with the number of rows in the call (1 row vs 2+: 5e-7
 relative); with every call 16 rows, each row meets the same kernel. bf16/fp16 (oneDNN)
@@ -27,22 +28,11 @@ import torch
 from .. import env
 from ..activations import apply_activation
 from ..contract import TokenLayout, WeightedReduce
+from ..metadata import local_expert_ids
 from ..quant import dequantize, fake_quantize
+from ..weights import expert_matrix
 from .base import ALL_SCHEMES, Capabilities, Experts
-
-# Rows per GEMM call in deterministic mode: MKL sgemm measured batch-invariant over fixed
-# 8/16/32-row calls (every [i:j] slice of 40 rows, 2 threads); 16 pads a lone decode token
-# 16x, a cost only this mode pays.
-DETERMINISTIC_ROWS = 16
-
-
-def _tiled_mm(a: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
-    """a @ w_t in calls of exactly ``DETERMINISTIC_ROWS`` rows (the last tile zero-padded)."""
-    m = a.shape[0]
-    pad = -m % DETERMINISTIC_ROWS
-    if pad:
-        a = torch.cat([a, a.new_zeros(pad, a.shape[1])])
-    return torch.cat([t @ w_t for t in a.split(DETERMINISTIC_ROWS)])[:m]
+from .reference import batch_invariant_mm
 
 
 class CpuExperts(Experts):
@@ -64,12 +54,7 @@ class CpuExperts(Experts):
         self.deterministic = env.deterministic()
 
     def _mm(self, a: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
-        return _tiled_mm(a, w_t) if self.deterministic else a @ w_t
-
-    def _expert_weight(self, q, tq, e, dtype):
-        if tq is None:
-            return q.data[e].to(dtype)
-        return dequantize(q.select(e), tq, dtype)[0]
+        return batch_invariant_mm(a, w_t) if self.deterministic else a @ w_t
 
     def apply(self, a, topk, weights, out, *, expert_map=None, workspace=None):
         cfg, sch = self.config, self.scheme
@@ -78,8 +63,7 @@ class CpuExperts(Experts):
         if t == 0:
             return
         x = a.data.to(dt) if sch.a1 is None else dequantize(a, sch.a1, dt)
-        ids = topk.ids.reshape(-1).long()
-        local = expert_map.long()[ids] if expert_map is not None else ids
+        local = local_expert_ids(topk.ids.reshape(-1), expert_map, weights.num_experts)
         keep = (local >= 0).nonzero(as_tuple=True)[0]
         acc = torch.zeros(t, cfg.hidden_size, dtype=torch.float32)
         if keep.numel():
@@ -94,14 +78,14 @@ class CpuExperts(Experts):
                     spans.append((e, start, start + c))
                     start += c
             for e, s0, s1 in spans:
-                h = self._mm(xs[s0:s1], self._expert_weight(weights.w13, sch.w1, e, dt).T)
+                h = self._mm(xs[s0:s1], expert_matrix(weights.w13, sch.w1, e, dt).T)
                 if weights.b13 is not None:
                     h = h + weights.b13[e].to(dt)
                 inter[s0:s1] = apply_activation(h, cfg)
             inter = fake_quantize(inter, sch.a2, dt, **weights.act_scales("a2", sch.a2))
             y = torch.empty(order.numel(), cfg.hidden_size, dtype=torch.float32)
             for e, s0, s1 in spans:
-                ye = self._mm(inter[s0:s1], self._expert_weight(weights.w2, sch.w2, e, dt).T)
+                ye = self._mm(inter[s0:s1], expert_matrix(weights.w2, sch.w2, e, dt).T)
                 if weights.b2 is not None:
                     ye = ye + weights.b2[e].to(dt)
                 y[s0:s1] = ye.float()
@@ -133,15 +117,14 @@ class LoopExperts(CpuExperts):
         dt = cfg.dtype
         x = a.data.to(dt) if sch.a1 is None else dequantize(a, sch.a1, dt)
         acc = torch.zeros(x.shape[0], cfg.hidden_size, dtype=torch.float32, device=x.device)
-        ids = topk.ids.long()
-        local = expert_map.long()[ids] if expert_map is not None else ids
+        local = local_expert_ids(topk.ids, expert_map, weights.num_experts)
         for e in range(weights.num_experts):
             tok, kk = torch.where(local == e)
-            h = self._mm(x[tok], self._expert_weight(weights.w13, sch.w1, e, dt).T)
+            h = self._mm(x[tok], expert_matrix(weights.w13, sch.w1, e, dt).T)
             if weights.b13 is not None:
                 h = h + weights.b13[e].to(dt)
             inter = fake_quantize(apply_activation(h, cfg), sch.a2, dt, **weights.act_scales("a2", sch.a2))
-            y = self._mm(inter, self._expert_weight(weights.w2, sch.w2, e, dt).T)
+            y = self._mm(inter, expert_matrix(weights.w2, sch.w2, e, dt).T)
             if weights.b2 is not None:
                 y = y + weights.b2[e].to(dt)
             y = y.float()

@@ -29,10 +29,10 @@ alike: "strides should be multiple of 16 bytes"), so H and I are multiples of
 multiples of 16. ``why_not`` refuses other sizes.
 
 The sort needs no host synchronisation: offsets come from ``searchsorted`` on
-the sorted expert ids, and pairs of experts mapped to -1 (other ranks') sort
-past the last offset, where no group reads them; their rows (which the
-grouped GEMM leaves undefined) are zeroed before the activation, so a
-per-tensor dynamic a2 scale never sees them, and before the combine.
+the sorted expert ids, and pairs that contribute nothing (ids outside [0, E), experts
+mapped outside [0, E_l): ``metadata.TopK``) sort past the last offset, where no group
+reads them; their rows (which the grouped GEMM leaves undefined) are zeroed before a
+per-tensor dynamic a2 scale sees them, and dropped (selected away) before the combine.
 
 Weight layout ``grouped_mm`` (``prepare_weights``): W13 and W2 as the B
 operands of x @ B, [E, H, 2I] and [E, I, H]: the transposed view of the
@@ -53,6 +53,7 @@ import torch.nn.functional as F
 from ..contract import TokenLayout, WeightedReduce
 from ..errors import expect
 from ..kernels.act_quant import act_and_quantize, act_and_quantize_ref
+from ..metadata import local_expert_ids
 from ..quant import QTensor
 from .base import Capabilities, Experts
 
@@ -167,22 +168,19 @@ class GroupedMMExperts(Experts):
         e_l = weights.num_experts
         w13, s13 = _b_operand(weights.w13, sch.w1, weights.layout)
         w2, s2 = _b_operand(weights.w2, sch.w2, weights.layout)
-        ids = topk.ids.reshape(-1).long()
-        key = ids
-        if expert_map is not None:
-            local = expert_map.long()[ids]
-            key = torch.where(local >= 0, local, e_l)
+        local = local_expert_ids(topk.ids.reshape(-1), expert_map, e_l)
+        key = torch.where(local >= 0, local, e_l)
         sorted_key, order = torch.sort(key, stable=True)
         offs = torch.searchsorted(sorted_key, torch.arange(e_l, device=key.device), right=True).to(torch.int32)
         tok = order // k
-        valid = (sorted_key < e_l).unsqueeze(1) if expert_map is not None else None
+        valid = (sorted_key < e_l).unsqueeze(1)
         expert = sorted_key.clamp(max=e_l - 1)
 
         h = self._gemm(a, tok, w13, s13, offs)
         if weights.b13 is not None:
             h = h + weights.b13.to(h.dtype)[expert]
-        if valid is not None:
-            h = h.masked_fill(~valid, 0)
+        if sch.a2 is not None and sch.a2.dynamic and sch.a2.granularity.kind == "tensor":
+            h = h.masked_fill(~valid, 0)  # the one scale over all rows must not see undefined ones
         act = act_and_quantize if h.is_cuda else act_and_quantize_ref
         a2 = act(h, cfg, sch.a2, **weights.act_scales("a2", sch.a2))
         a2 = a2 if isinstance(a2, QTensor) else QTensor(a2, tuple(a2.shape))
@@ -191,8 +189,7 @@ class GroupedMMExperts(Experts):
             y = y + weights.b2.float()[expert]
         if not cfg.apply_router_weight_on_input:
             y = y * topk.weights.reshape(-1)[order].float().unsqueeze(1)
-        if valid is not None:
-            y = y.masked_fill(~valid, 0)
+        y = torch.where(valid, y, 0.0)  # select, never multiply: undefined rows may hold NaN
         acc = torch.zeros(t, cfg.hidden_size, dtype=torch.float32, device=y.device)
         acc.index_add_(0, tok, y)
         out.copy_(acc)

@@ -11,50 +11,76 @@ weights, with activations quantized exactly where and how the scheme says::
     y     = aq @ W2[e]^T + b2[e]
     out[t] = sum_k w[t,k] * y  (or plain sum when weighted on input)
 
-Pairs whose expert maps to -1 under ``expert_map`` contribute nothing.
+Pairs whose id is outside [0, E), or whose expert maps outside [0, E_local) under
+``expert_map`` (-1: another rank's), contribute nothing (``metadata.TopK``).
 Q(.) = dequantize(quantize(.)): the values a kernel would feed its GEMM.
 Every backend is compared with this function; it is never a second copy in tests.
+
+Memory: each expert's weights are dequantized when its rows come up, one expert at a time
+and only the experts hit, so the float copy of all experts never exists (DeepSeek-V3 in
+float64: 350 MB for one expert against 90 GB for the 256).
+
+Deterministic mode (``deterministic``, ``FUSEDMOE_DETERMINISTIC=1`` when built): GEMMs run
+over fixed tiles of ``DETERMINISTIC_ROWS`` rows (``batch_invariant_mm``), so a token's
+output does not depend on how many rows its expert got in the batch (fp32 MKL sgemm
+differs by ~7e-7 between a 1-row and a many-row call otherwise).
 """
 
 from __future__ import annotations
 
 import torch
 
+from .. import env
 from ..activations import apply_activation
 from ..config import MoEConfig
 from ..contract import TokenLayout, WeightedReduce
+from ..errors import expect
+from ..metadata import local_expert_ids
 from ..quant import QTensor, QuantScheme, dequantize, fake_quantize
-from ..weights import ExpertWeights
+from ..weights import ExpertWeights, expert_matrix
 from .base import ALL_SCHEMES, Capabilities, Experts
+
+# Rows per GEMM call in deterministic mode: MKL sgemm measured batch-invariant over fixed
+# 8/16/32-row calls (every [i:j] slice of 40 rows, 2 threads); 16 pads a lone decode token
+# 16x, a cost only this mode pays.
+DETERMINISTIC_ROWS = 16
+
+
+def batch_invariant_mm(a: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
+    """a @ w_t in calls of exactly ``DETERMINISTIC_ROWS`` rows (the last tile zero-padded)."""
+    m = a.shape[0]
+    pad = -m % DETERMINISTIC_ROWS
+    if pad:
+        a = torch.cat([a, a.new_zeros(pad, a.shape[1])])
+    return torch.cat([t @ w_t for t in a.split(DETERMINISTIC_ROWS)])[:m]
 
 
 def expert_ffn_rows(
     xq: torch.Tensor,
     expert: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
     weights: ExpertWeights,
     config: MoEConfig,
     scheme: QuantScheme,
+    mm=torch.matmul,
 ) -> torch.Tensor:
-    """GEMM1 -> activation -> Q_a2 -> GEMM2 for rows ``xq`` [M, H] of local experts ``expert`` [M].
-
-    ``w13``/``w2`` are the dequantized weights in the compute dtype. Returns [M, H].
-    """
-    dtype = w13.dtype
+    """GEMM1 -> activation -> Q_a2 -> GEMM2 for rows ``xq`` [M, H] of local experts ``expert`` [M]
+    (each in [0, E_l)), in xq's dtype; each expert's weights dequantized when its rows come up
+    (see the module docstring). ``mm(a, w_t)``: the GEMM. Returns [M, H]."""
+    dtype = xq.dtype
     m = xq.shape[0]
+    hit = torch.unique(expert).tolist()
     inter = torch.empty(m, config.intermediate_size, dtype=dtype, device=xq.device)
-    for e in torch.unique(expert).tolist():
+    for e in hit:
         rows = (expert == e).nonzero(as_tuple=True)[0]
-        h = xq[rows] @ w13[e].T
+        h = mm(xq[rows], expert_matrix(weights.w13, scheme.w1, e, dtype).T)
         if weights.b13 is not None:
             h = h + weights.b13[e].to(dtype)
         inter[rows] = apply_activation(h, config)
     aq = fake_quantize(inter, scheme.a2, dtype, **weights.act_scales("a2", scheme.a2))
     out = torch.empty(m, config.hidden_size, dtype=dtype, device=xq.device)
-    for e in torch.unique(expert).tolist():
+    for e in hit:
         rows = (expert == e).nonzero(as_tuple=True)[0]
-        y = aq[rows] @ w2[e].T
+        y = mm(aq[rows], expert_matrix(weights.w2, scheme.w2, e, dtype).T)
         if weights.b2 is not None:
             y = y + weights.b2[e].to(dtype)
         out[rows] = y
@@ -86,10 +112,11 @@ def moe_reference(
     *,
     expert_map: torch.Tensor | None = None,
     dtype: torch.dtype = torch.float64,
+    deterministic: bool = False,
 ) -> torch.Tensor:
     """The MoE layer's output [T, H] in ``dtype`` (see the module docstring)."""
     xq = quantize_input(x, topk_weights, weights, config, scheme, dtype)
-    return routed_experts(xq, topk_ids, topk_weights, weights, config, scheme, expert_map, dtype)
+    return routed_experts(xq, topk_ids, topk_weights, weights, config, scheme, expert_map, dtype, deterministic)
 
 
 def routed_experts(
@@ -101,6 +128,7 @@ def routed_experts(
     scheme: QuantScheme,
     expert_map: torch.Tensor | None,
     dtype: torch.dtype,
+    deterministic: bool = False,
 ) -> torch.Tensor:
     """Everything after Q_a1: xq [T, H] (real values) -> weighted sum over K, [T, H]."""
     t, h = xq.shape
@@ -108,14 +136,14 @@ def routed_experts(
     out = torch.zeros(t, h, dtype=dtype, device=xq.device)
     if t == 0:
         return out
-    w13, w2 = weights.dequantized(scheme, dtype)
-    ids = topk_ids.long()
-    local = (expert_map.long()[ids] if expert_map is not None else ids).reshape(-1)
+    expect(weights.layout == "reference", "weights.layout", "'reference'", weights.layout)
+    local = local_expert_ids(topk_ids, expert_map, weights.num_experts).reshape(-1)
     tok = torch.arange(t, device=xq.device).repeat_interleave(k)
     keep = (local >= 0).nonzero(as_tuple=True)[0]
     if keep.numel() == 0:
         return out
-    y = expert_ffn_rows(xq[tok[keep]].to(dtype), local[keep], w13, w2, weights, config, scheme)
+    mm = batch_invariant_mm if deterministic else torch.matmul
+    y = expert_ffn_rows(xq[tok[keep]].to(dtype), local[keep], weights, config, scheme, mm)
     if not config.apply_router_weight_on_input:
         y = y * topk_weights.reshape(-1)[keep].to(dtype).unsqueeze(1)
     out.index_add_(0, tok[keep], y)
@@ -140,12 +168,23 @@ class ReferenceExperts(Experts):
         note="float32 PyTorch from dequantized weights; checks every other backend",
     )
     compute_dtype = torch.float32
+    # batch-invariant GEMMs (see the module docstring); MoEKernel(deterministic=...) sets it too
+    deterministic: bool = False
+
+    def __init__(self, config, scheme) -> None:
+        super().__init__(config, scheme)
+        self.deterministic = env.deterministic()
+
+    @property
+    def _mm(self):
+        return batch_invariant_mm if self.deterministic else torch.matmul
 
     def apply(self, a, topk, weights, out, *, expert_map=None, workspace=None):
         xq = _activation_values(a, self.scheme, self.compute_dtype)
         res = routed_experts(
-            xq, topk.ids, topk.weights, weights, self.config, self.scheme, expert_map, self.compute_dtype
-        )
+            xq, topk.ids, topk.weights, weights, self.config, self.scheme, expert_map, self.compute_dtype,
+            self.deterministic,
+        )  # fmt: skip
         out.copy_(res)
 
 
@@ -171,6 +210,5 @@ class ReferenceBatchedExperts(ReferenceExperts):
         valid = (slot.unsqueeze(0) < counts.unsqueeze(1)).reshape(-1).nonzero(as_tuple=True)[0]
         if valid.numel() == 0:
             return
-        w13, w2 = weights.dequantized(self.scheme, self.compute_dtype)
-        y = expert_ffn_rows(xq[valid], valid // m, w13, w2, weights, self.config, self.scheme)
+        y = expert_ffn_rows(xq[valid], valid // m, weights, self.config, self.scheme, self._mm)
         out.reshape(e_l * m, -1)[valid] = y.to(out.dtype)

@@ -26,12 +26,14 @@ writes into it and allocates none of these. Batched layout: the same two GEMMs o
 [E_l, M, .] with per-expert counts read by the kernel (no align, no sum: combine
 weights and scatters); its workspace is h (unfused only) and a2 for E_l * M rows.
 
-Unfused, rows that no local pair writes (pairs of experts mapped to -1, rows past the
-counts) are zero-filled before the activation so a per-tensor dynamic a2 scale
-never sees uninitialised memory (zeros leave an abs-max unchanged). With a
-reused workspace this matters more: such rows hold the previous call's values.
-Fused, such rows of a2 are never written and never read (GEMM2 reads the rows of
-local pairs only, ``moe_sum`` skips the others).
+Rows that no local pair writes (pairs that contribute nothing: ids outside [0, E), experts
+mapped outside [0, E_l), see ``metadata.TopK``; batched rows past the counts) are never
+read as outputs: GEMM2 reads the rows of local pairs only and ``moe_sum`` skips the
+others. Unfused, they are zero-filled before the activation where a per-tensor dynamic
+a2 scale (an abs-max over every row) would see them (batched: always), so it never
+sees uninitialised memory (zeros leave an abs-max unchanged); with a reused workspace
+such rows hold the previous call's values. Other a2 scales are per row: a stale row
+only makes its own, unread, output.
 
 4-bit weights with float activations (int4, MXFP4, NVFP4 as w4a16) are converted once at load
 (``prepare_weights``) into the w4 layout and run by their own kernel (``kernels.grouped_gemm_w4``):
@@ -67,6 +69,7 @@ from ..kernels.grouped_gemm_w4 import supports as w4_supports
 from ..kernels.grouped_gemm_w4 import w4_gemm_launch, w4_launch_config
 from ..kernels.launch_config import LaunchConfig, gated_act_config, pick_launch_config
 from ..kernels.moe_sum import moe_sum
+from ..metadata import int32_ids
 from ..quant import Operand, QTensor
 from ..quant.w4_layout import convertible, from_w4_weights, is_w4, to_w4_weights
 from .base import ALL_SCHEMES, Capabilities, Experts
@@ -226,7 +229,8 @@ class TritonExperts(_TritonBase):
         e_l = weights.num_experts
         pairs = t * k
         plan = self._plan(pairs, e_l, weights.w13, weights.w2)
-        ids = topk.ids.to(torch.int32)  # the align kernel takes int32; routers may give int64
+        # the align kernel takes int32; routers may give int64
+        ids = int32_ids(topk.ids, e_l if expert_map is None else expert_map.shape[0])
         routing = moe_align(ids, e_l, plan.lc1.block_m, expert_map)
         ep = self.act_epilogue()
         if ep is not None:
@@ -234,7 +238,7 @@ class TritonExperts(_TritonBase):
             a2 = self._gemm1_act(a, weights, ep, pairs, workspace, grouped_gemm, **kw)
         else:
             h = take(workspace, "h", (pairs, cfg.w13_rows), cfg.dtype, dev)
-            if expert_map is not None:
+            if _tensor_dynamic(sch.a2):
                 h.zero_()
             w13 = Operand(weights.w13, sch.w1)
             grouped_gemm(Operand(a, sch.a1), w13, routing, bias=weights.b13, a_div=k, out=h, config=plan.lc1)
@@ -255,7 +259,7 @@ class TritonExperts(_TritonBase):
             y = y if p is None else p
         else:
             grouped_gemm(a2, w2, routing, bias=weights.b2, topk_weights=route_w, out=y, config=plan.lc2)
-        moe_sum(y.view(*y.shape[:-2], t, k, -1), out, topk_ids=ids, expert_map=expert_map)
+        moe_sum(y.view(*y.shape[:-2], t, k, -1), out, topk_ids=ids, expert_map=expert_map, num_local_experts=e_l)
 
 
 class TritonBatchedExperts(_TritonBase):

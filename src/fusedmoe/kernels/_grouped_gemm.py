@@ -110,6 +110,7 @@ def _w_tile(
     offs_k,
     k_ok,
     KD,
+    num_groups,
     stride_wn,
     stride_wk,
     stride_wsn,
@@ -161,8 +162,10 @@ def _w_tile(
             ws_rows = ws_base + (cols // W_BN) * stride_wsn
             wz_rows = wz_base + (cols // W_BN) * stride_wsn
             if ACT_ORDER:
+                # a group id outside [0, num_groups) reads no scale (its columns count 0): the
+                # weights' checks refuse such a g_idx, this keeps the loads in bounds regardless
                 gk = tl.load(g_base + offs_k * stride_gk, mask=k_ok, other=0)
-                g_mask = col_ok[:, None] & k_ok[None, :]
+                g_mask = col_ok[:, None] & (k_ok & (gk >= 0) & (gk < num_groups))[None, :]
                 s_w = _decode_scale(tl.load(ws_rows[:, None] + gk[None, :] * stride_wsk, mask=g_mask, other=0), W_FMT)
                 if HAS_ZERO:
                     wt -= tl.load(wz_rows[:, None] + gk[None, :] * stride_wsk, mask=g_mask, other=0).to(tl.float32)
@@ -314,6 +317,7 @@ def _grouped_gemm_kernel(
     counts_ptr,
     N,  # columns of C (I under a gated ACT, whose W has 2N rows)
     KD,
+    num_w_groups,  # ACT_ORDER: scale groups along K (g_idx entries must be below it)
     num_pairs,
     a_div,
     m_max,
@@ -447,7 +451,7 @@ def _grouped_gemm_kernel(
         # it comes; FMA dequantizes the [BN, BK] gate (and up) tiles, then makes one pass over
         # A's rows for both accumulators (_fma_rows)
         b = _w_tile(
-            w_base, ws_base, wz_base, g_base, g_cols, n_ok, k0, offs_k, k_ok, KD,
+            w_base, ws_base, wz_base, g_base, g_cols, n_ok, k0, offs_k, k_ok, KD, num_w_groups,
             stride_wn, stride_wk, stride_wsn, stride_wsk, stride_gk,
             W_FMT, W_BN, W_BK, ACT_ORDER, HAS_ZERO, NATIVE_DOT, FMA, OP_DTYPE, BLOCK_N, BLOCK_K,
         )  # fmt: skip
@@ -459,7 +463,7 @@ def _grouped_gemm_kernel(
         b_u = b
         if GATED:
             b_u = _w_tile(
-                w_base, ws_base, wz_base, g_base, u_cols, n_ok, k0, offs_k, k_ok, KD,
+                w_base, ws_base, wz_base, g_base, u_cols, n_ok, k0, offs_k, k_ok, KD, num_w_groups,
                 stride_wn, stride_wk, stride_wsn, stride_wsk, stride_gk,
                 W_FMT, W_BN, W_BK, ACT_ORDER, HAS_ZERO, NATIVE_DOT, FMA, OP_DTYPE, BLOCK_N, BLOCK_K,
             )  # fmt: skip

@@ -171,6 +171,7 @@ def grouped_gemm_launch(
         counts if batched else dummy,
         n,
         kd,
+        0 if g_idx is None else w_scale.shape[-1],
         num_pairs,
         a_div,
         m_max,

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
 
 from .. import env
-from ..errors import expect
+from ..errors import FusedMoEError, expect
 from . import tuned_configs
 
 
@@ -98,7 +98,10 @@ class LaunchConfig:
             ok = name in flds and name not in vals and v.isdigit() and (i >= _TILE_FIELDS or "=" not in p)
             expect(ok and len(parts) >= _TILE_FIELDS, env.LAUNCH_CONFIG, what, text)
             vals[name] = bool(int(v)) if flds[name].type in (bool, "bool") else int(v)
-        return cls(**vals)
+        try:
+            return cls(**vals)
+        except FusedMoEError as err:  # a field out of range: name the variable it came from
+            raise FusedMoEError(f"{env.LAUNCH_CONFIG}={text!r}: {err}") from None
 
 
 _TILE_FIELDS = 6  # block_m .. num_stages: what every config string gives

@@ -2,9 +2,11 @@
 
 The grouped GEMM writes one row per (token, k) pair (already multiplied by its router
 weight when asked to); this kernel reduces them in a fixed order (k = 0..K-1, fp32),
-so the result is deterministic, unlike an atomic scatter-add. With ``expert_map``,
-pairs whose expert is not local are skipped, so their rows of ``c`` never need to be
-zero-filled.
+so the result is deterministic, unlike an atomic scatter-add. Given the top-k ids, pairs
+that contribute nothing (an id outside [0, E), or an expert that the expert map sends
+outside [0, E_l): ``metadata.TopK``) are skipped, so their rows of ``c``, which no GEMM
+wrote, never need to be zero-filled. Every load of an id or a map entry is masked to
+its buffer, whatever the ids hold.
 
 A split-K GEMM2 (``grouped_gemm_w4``, ``LaunchConfig.split_k`` = S) writes S fp32 partial
 rows per pair instead, c [S, T, K, H]; the same launch then sums over k and s (k outer,
@@ -18,6 +20,7 @@ import triton
 import triton.language as tl
 
 from ..errors import expect
+from ..metadata import local_expert_ids
 from ._common import interpreting
 from .launch import launch
 
@@ -30,7 +33,8 @@ def _moe_sum_kernel(
     map_ptr,
     T,
     H,
-    E_G,
+    E_G,  # ids in [0, E_G) are experts: the expert map's length, or E_L without a map
+    E_L,
     stride_cs,
     stride_ct,
     stride_ck,
@@ -39,6 +43,7 @@ def _moe_sum_kernel(
     stride_oh,
     K: tl.constexpr,
     SPLITS: tl.constexpr,
+    HAS_IDS: tl.constexpr,
     HAS_MAP: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -51,10 +56,13 @@ def _moe_sum_kernel(
     acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
     for k in tl.static_range(K):
         ok = mask
-        if HAS_MAP:
-            e = tl.load(ids_ptr + r64 * K + k, mask=row_ok, other=-1)
-            local = tl.load(map_ptr + e, mask=row_ok & (e >= 0) & (e < E_G), other=-1)
-            ok = ok & (local >= 0)[:, None]
+        if HAS_IDS:
+            e = tl.load(ids_ptr + r64 * K + k, mask=row_ok, other=-1).to(tl.int64)
+            pair_ok = (e >= 0) & (e < E_G)
+            if HAS_MAP:
+                local = tl.load(map_ptr + e, mask=row_ok & pair_ok, other=-1)
+                pair_ok = pair_ok & (local >= 0) & (local < E_L)
+            ok = ok & pair_ok[:, None]
         ptrs = c_ptr + r64[:, None] * stride_ct + k * stride_ck + cols[None, :] * stride_ch
         for s in tl.static_range(SPLITS):
             acc += tl.load(ptrs + s * stride_cs, mask=ok, other=0.0).to(tl.float32)
@@ -67,30 +75,33 @@ def moe_sum_launch(
     out: torch.Tensor,
     topk_ids: torch.Tensor | None = None,
     expert_map: torch.Tensor | None = None,
+    num_local_experts: int = 0,
 ) -> torch.Tensor:
     c4 = c if c.dim() == 4 else c.unsqueeze(0)
     splits, t, k, h = c4.shape
     if t == 0 or h == 0:
         return out
-    has_map = expert_map is not None
+    has_ids, has_map = topk_ids is not None, expert_map is not None
     # 4 x 256 values per program: memory-bound, K loads of 2 KiB (bf16) in flight each.
     bt, bh = (16, 128) if interpreting() else (4, 256)
     grid = (triton.cdiv(t, bt), triton.cdiv(h, bh))
-    ids = topk_ids.contiguous() if has_map else c
+    ids = topk_ids.contiguous() if has_ids else c
     launch(
         _moe_sum_kernel,
         grid,
         c,
         out,
         ids,
-        expert_map if has_map else c,
+        expert_map.contiguous() if has_map else c,
         t,
         h,
-        expert_map.shape[0] if has_map else 0,
+        expert_map.shape[0] if has_map else num_local_experts,
+        num_local_experts,
         *c4.stride(),
         *out.stride(),
         K=k,
         SPLITS=splits,
+        HAS_IDS=has_ids,
         HAS_MAP=has_map,
         BLOCK_T=bt,
         BLOCK_H=bh,
@@ -105,20 +116,31 @@ def moe_sum(
     *,
     topk_ids: torch.Tensor | None = None,
     expert_map: torch.Tensor | None = None,
+    num_local_experts: int | None = None,
 ) -> torch.Tensor:
     """out [T, H] = sum over k of c [T, K, H] (fp32 accumulation, output in ``out``'s or
-    c's dtype), or over k and s of split-K partials c [S, T, K, H]. With ``expert_map`` [E]
-    and ``topk_ids`` [T, K], pairs mapped to -1 are skipped."""
+    c's dtype), or over k and s of split-K partials c [S, T, K, H]. With ``topk_ids`` [T, K]
+    (and ``num_local_experts`` E_l, and optionally ``expert_map`` [E]), pairs that contribute
+    nothing (see the module docstring) are skipped."""
     expect(c.dim() in (3, 4), "c", "a [T, K, H] tensor or [S, T, K, H] split-K partials", tuple(c.shape))
     t, k, h = c.shape[-3:]
     if expert_map is not None:
-        expect(topk_ids is not None and tuple(topk_ids.shape) == (t, k), "topk_ids", f"[{t}, {k}] with expert_map")
+        expect(topk_ids is not None, "topk_ids", f"[{t}, {k}] ids with expert_map")
+    if topk_ids is not None:
+        expect(tuple(topk_ids.shape) == (t, k), "topk_ids", f"shape {(t, k)}", tuple(topk_ids.shape))
+        expect(
+            isinstance(num_local_experts, int) and num_local_experts > 0,
+            "num_local_experts",
+            "the local expert count (> 0) with topk_ids",
+            num_local_experts,
+        )
     if out is None:
         out = torch.empty(t, h, dtype=c.dtype, device=c.device)
     expect(tuple(out.shape) == (t, h), "out", f"shape {(t, h)}", tuple(out.shape))
     if c.device.type == "cpu" and not interpreting():
-        return out.copy_(moe_sum_ref(c, topk_ids=topk_ids, expert_map=expert_map))
-    return moe_sum_launch(c, out, topk_ids, expert_map)
+        ref = moe_sum_ref(c, topk_ids=topk_ids, expert_map=expert_map, num_local_experts=num_local_experts)
+        return out.copy_(ref)
+    return moe_sum_launch(c, out, topk_ids, expert_map, num_local_experts or 0)
 
 
 def moe_sum_ref(
@@ -126,15 +148,14 @@ def moe_sum_ref(
     *,
     topk_ids: torch.Tensor | None = None,
     expert_map: torch.Tensor | None = None,
+    num_local_experts: int | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """``moe_sum`` in PyTorch, in ``dtype``."""
     x = c.to(dtype)
     if x.dim() == 4:  # split-K partials [S, T, K, H]
         x = x.sum(dim=0)
-    if expert_map is not None:
-        ids = topk_ids.long()
-        ok = (ids >= 0) & (ids < expert_map.shape[0])
-        local = torch.where(ok, expert_map.long()[ids.clamp(0, expert_map.shape[0] - 1)], -1)
+    if topk_ids is not None:
+        local = local_expert_ids(topk_ids, expert_map, num_local_experts)
         x = torch.where((local >= 0).unsqueeze(-1), x, torch.zeros((), dtype=dtype, device=c.device))
     return x.sum(dim=1)

@@ -9,8 +9,10 @@ One file per (GPU, scheme key, E, N, K), written by ``fusedmoe tune``::
 
 The keys of ``configs`` are numbers of (token, expert) pairs (T*K for GEMM1 and GEMM2 alike);
 a lookup takes the entry whose key is nearest to the call's pair count, so a file
-tuned at 1, 16, ..., 16384 serves every T. Directories searched, first hit wins:
-``FUSEDMOE_CONFIG_DIR`` (a user folder) and then the package's ``configs/``. A file tuned
+tuned at 1, 16, ..., 16384 serves every T. Directories searched, first hit wins: the
+user's folder (``env.config_dir``: ``FUSEDMOE_CONFIG_DIR``, else ~/.config/fusedmoe/configs
+or the platform's equivalent; where ``fusedmoe tune`` writes) and then the package's
+``configs/`` (shipped files, never written at run time). A file tuned
 with another triton version is still used (tile choices carry over between versions far
 better than the heuristic guesses); its version is recorded for whoever re-tunes.
 Token count never enters the file key (STYLE point 6); it only picks the entry.
@@ -57,8 +59,7 @@ def _load(path: str) -> dict[int, dict] | None:
 
 
 def search_dirs() -> list[Path]:
-    user = env.raw(env.CONFIG_DIR)
-    return ([Path(user)] if user else []) + [PACKAGE_DIR]
+    return [env.config_dir(), PACKAGE_DIR]
 
 
 def lookup(m_pairs: int, e: int, n: int, k: int, scheme: str, gpu: str | None = None) -> dict | None:

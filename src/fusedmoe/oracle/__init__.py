@@ -196,6 +196,8 @@ def select_experts(
     if note:
         choice.notes.append(note)
     skip = set(env.names(env.SKIP_BACKENDS))
+    unknown = sorted(skip - set(known))
+    expect(not unknown, env.SKIP_BACKENDS, f"backend names from {sorted(known)}", ",".join(unknown))
     for name in names:
         v = _verdict(known[name], config, scheme, platform, layout, expert_map)
         if v.reason is None and name in skip:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 
+from .. import env
 from ..config import MoEConfig, ParallelConfig
 from ..errors import UnsupportedError
 from ..modular.kernel import MoEKernel
@@ -50,6 +51,7 @@ def build_kernel(
     ``config`` is ``config`` padded to the backend's alignment (the weights must be padded
     the same way: ``oracle.padding.pad_weights``) and its ``scheme`` the effective one.
     """
+    env.check_all()
     platform = platform or current_platform()
     disp_cls = get_dispatcher(dispatcher)
     why = disp_cls.why_not(platform)

@@ -85,10 +85,10 @@ class All2AllDispatcher(EPDispatcher):
         before = self.quantizes_before()
         lay = self.row_layout(weights, dev)
         a = self.quantize_rows(x, topk, weights, a1_scale) if before else None
-        ids = topk.ids.to(torch.int32)
+        ids = self.wire_ids(topk.ids)
         if fits:
             c = max(bound, 1)
-            dest, _ = self.route(ids, c)
+            dest, _ = self.route(ids, c, wire=True)
             n_send = n_recv = w * c
             send = take(ws, "send", (n_send, lay.row_bytes), torch.uint8, dev).zero_()
             splits = None
@@ -99,11 +99,12 @@ class All2AllDispatcher(EPDispatcher):
                 "MoEKernel.allocate(max_tokens) before capturing all2all in a CUDA graph (fixed-size exchange)",
                 None,
             )
-            dest, counts = self.route(ids, None)
+            dest, counts = self.route(ids, None, wire=True)
             recv_counts = torch.empty_like(counts)
             dist.all_to_all_single(recv_counts, counts, group=self.group)
             send = lay.empty(t * w, dev)  # an upper bound: packed before the counts reach the host
-        rows = self.pack_rows(lay, take(ws, "rows", (t, lay.row_bytes), torch.uint8, dev), a, x, ids, topk.weights)
+        rows = take(ws, "rows", (t, lay.row_bytes), torch.uint8, dev)
+        rows = self.pack_rows(lay, rows, a, x, ids, topk.weights, wire=True)
         scatter_rows(as_words(rows), dest, as_words(send))
         if not fits:
             sc, rc = torch.stack([counts, recv_counts]).tolist()  # the host sync of the variable path

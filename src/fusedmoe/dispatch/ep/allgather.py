@@ -69,7 +69,7 @@ class AllGatherReduceScatterDispatcher(EPDispatcher):
         a = self.quantize_rows(x, topk, weights, a1_scale) if before else None
         send = take(ws, "send", (c, lay.row_bytes), torch.uint8, dev)
         send[t:].zero_()
-        self.pack_rows(lay, send[:t], a, x, topk.ids.to(torch.int32), topk.weights)
+        self.pack_rows(lay, send[:t], a, x, self.wire_ids(topk.ids), topk.weights, wire=True)
         recv = take(ws, "recv", (w * c, lay.row_bytes), torch.uint8, dev)
         all_gather_rows(recv, send, self.group)
         self.wire_bytes = (w * c * lay.row_bytes, w * c * h * x.element_size())

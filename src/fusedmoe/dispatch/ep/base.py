@@ -253,6 +253,13 @@ class EPDispatcher(Dispatcher):
             self._tables[key] = val.to(device)
         return self._tables[key]
 
+    def wire_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """int32 [T, K] wire ids of the top-k ``ids``: 1 + expert id, and 0 (not sent) for a pair
+        that contributes nothing (an id outside [0, E): ``metadata.TopK``), so no table lookup or
+        kernel downstream indexes with it."""
+        e = self.config.num_experts
+        return torch.where((ids >= 0) & (ids < e), ids + 1, 0).to(torch.int32)
+
     def route(self, ids: torch.Tensor, rows: int | None, *, wire: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(dest, counts) of ``dispatch.rows.route`` for this placement: dest int64 [T, W] = the
         send row of token t's copy for rank r, or -1; counts int64 [W] = rows for each rank.

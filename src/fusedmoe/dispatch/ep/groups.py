@@ -235,6 +235,7 @@ def check_layer_agreement(
         if len(set(vals)) > 1:
             diffs.append(f"{k}: " + ", ".join(f"rank {r}={v}" for r, v in enumerate(vals)))
     raise FusedMoEError(
-        f"layer configuration differs between the {world} EP ranks ({'; '.join(diffs)}); every rank must build "
-        "the layer with the same MoEConfig, QuantScheme, ParallelConfig sizes and dispatcher"
+        f"EP ranks: expected the same layer on all {world} ranks, but the layer configuration differs between "
+        f"them ({'; '.join(diffs)}); every rank must build the layer with the same MoEConfig, QuantScheme, "
+        "ParallelConfig sizes and dispatcher"
     )

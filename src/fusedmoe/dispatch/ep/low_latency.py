@@ -144,18 +144,18 @@ class All2AllLowLatencyDispatcher(EPDispatcher):
         self.last_mode = "fixed"
 
         # sender: the pairs delivered, each token's send row per rank, the packed rows
-        ids = topk.ids.to(torch.int32)
-        wire = None  # every pair is delivered unless a rank may hold more than C tokens
+        wire = self.wire_ids(topk.ids)  # every pair is delivered unless a rank may hold more than C tokens
         if overflow:  # slot = the pair's rank among this rank's pairs of its expert, token order
-            slot, per_expert = _running_counts(ids.long(), self.config.num_experts)
-            wire = torch.where(slot <= c, ids + 1, 0)
-        dest_home, _ = self.route(ids if wire is None else wire, r, wire=wire is not None)
+            slot, per_expert = _running_counts(wire.long(), self.config.num_experts + 1)
+            per_expert = per_expert[1:]  # bin 0: pairs not sent
+            wire = torch.where(slot <= c, wire, 0)
+        dest_home, _ = self.route(wire, r, wire=True)
         x_send = x
         if not before and self.config.apply_router_weight_on_input:
             x_send = (x.float() * topk.weights.reshape(-1, 1)).to(x.dtype)  # K == 1
         a = self.quantize_rows(x, topk, weights, a1_scale) if before else None
         rows = take(ws, "rows", (t, lay.row_bytes), torch.uint8, dev)
-        self.pack_rows(lay, rows, a, x_send, ids if wire is None else wire, topk.weights, wire=wire is not None)
+        self.pack_rows(lay, rows, a, x_send, wire, topk.weights, wire=True)
         send = take(ws, "send", (w * r, lay.row_bytes), torch.uint8, dev).zero_()
         scatter_rows(as_words(rows), dest_home, as_words(send))
         if overflow:  # every row, padding too, carries this rank's largest per-expert count

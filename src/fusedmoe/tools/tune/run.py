@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
+from ...env import config_dir
 from ...kernels._common import interpreting
 from ...kernels.launch_config import LaunchConfig
-from ...kernels.tuned_configs import PACKAGE_DIR
 from ...quant import QuantScheme
 from ...testing import random_topk, rel_error
 from ..timing import FlushTimer
@@ -378,7 +378,7 @@ def tune_many(
     **overrides,
 ) -> TuneReport:
     """Tune both GEMMs of every (preset, scheme) at ``tokens``, then at ``extra_tokens`` with the
-    budget left; files go under ``out_dir`` (default: the package's configs/). ``workers``:
+    budget left; files go under ``out_dir`` (default: ``env.config_dir()``, the user's). ``workers``:
     compile processes (default: on a GPU min(12, CPUs - 2), else 0). ``timer(cfg, fn, target_ms)
     -> ms`` replaces the GPU timer and ``clock`` the wall clock (tests). ``overrides`` change
     every preset's shape."""
@@ -392,7 +392,7 @@ def tune_many(
     pool = WarmPool(workers)
     try:
         knobs = (screen_ms, retime_ms, top)
-        run = _Run(combos, tokens, extra, space=space, device=device, out_dir=Path(out_dir or PACKAGE_DIR), gpu=gpu,
+        run = _Run(combos, tokens, extra, space=space, device=device, out_dir=Path(out_dir or config_dir()), gpu=gpu,
                    budget_s=budget_s, pool=pool, timer=timer, clock=clock, knobs=knobs)  # fmt: skip
         run.log(f"tuning {len(combos)} combos at T={tokens} then T={extra} on {gpu}, {workers} compile workers")
         for r in refused:
