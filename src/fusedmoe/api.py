@@ -125,7 +125,7 @@ def _as_topk(routing, config: MoEConfig, router) -> TopK:
     expect(
         isinstance(routing, torch.Tensor), "routing", "router logits [T, E], a TopK or (ids, weights)", type(routing)
     )
-    return (router or _default_router(config.num_experts, config.top_k)).route(routing)
+    return (router or _default_router(config.num_experts + config.identity_experts, config.top_k)).route(routing)
 
 
 @functools.lru_cache(maxsize=64)

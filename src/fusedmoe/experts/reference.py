@@ -11,7 +11,8 @@ weights, with activations quantized exactly where and how the scheme says::
     y     = aq @ W2[e]^T + b2[e]
     out[t] = sum_k w[t,k] * y  (or plain sum when weighted on input)
 
-Pairs whose expert maps to -1 under ``expert_map`` contribute nothing.
+Pairs whose expert maps to -1 under ``expert_map`` contribute nothing. A pair whose id is
+one of the ``identity_experts`` (E <= id < E + Z) contributes w[t,k] * x (unquantized).
 Q(.) = dequantize(quantize(.)): the values a kernel would feed its GEMM.
 Every backend is compared with this function; it is never a second copy in tests.
 """
@@ -89,7 +90,11 @@ def moe_reference(
 ) -> torch.Tensor:
     """The MoE layer's output [T, H] in ``dtype`` (see the module docstring)."""
     xq = quantize_input(x, topk_weights, weights, config, scheme, dtype)
-    return routed_experts(xq, topk_ids, topk_weights, weights, config, scheme, expert_map, dtype)
+    out = routed_experts(xq, topk_ids, topk_weights, weights, config, scheme, expert_map, dtype)
+    if config.identity_experts:
+        chosen = (topk_ids >= config.num_experts).to(dtype)
+        out += x.to(dtype) * (topk_weights.to(dtype) * chosen).sum(dim=1, keepdim=True)
+    return out
 
 
 def routed_experts(
@@ -102,7 +107,8 @@ def routed_experts(
     expert_map: torch.Tensor | None,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """Everything after Q_a1: xq [T, H] (real values) -> weighted sum over K, [T, H]."""
+    """Everything after Q_a1: xq [T, H] (real values) -> weighted sum over K, [T, H]; the pairs
+    of identity experts (ids >= E) are left to the caller."""
     t, h = xq.shape
     k = topk_ids.shape[1]
     out = torch.zeros(t, h, dtype=dtype, device=xq.device)
@@ -110,9 +116,11 @@ def routed_experts(
         return out
     w13, w2 = weights.dequantized(scheme, dtype)
     ids = topk_ids.long()
+    routed = (ids < config.num_experts).reshape(-1)
+    ids = ids.clamp(max=config.num_experts - 1)
     local = (expert_map.long()[ids] if expert_map is not None else ids).reshape(-1)
     tok = torch.arange(t, device=xq.device).repeat_interleave(k)
-    keep = (local >= 0).nonzero(as_tuple=True)[0]
+    keep = ((local >= 0) & routed).nonzero(as_tuple=True)[0]
     if keep.numel() == 0:
         return out
     y = expert_ffn_rows(xq[tok[keep]].to(dtype), local[keep], w13, w2, weights, config, scheme)

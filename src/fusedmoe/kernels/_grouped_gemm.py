@@ -397,7 +397,16 @@ def _grouped_gemm_kernel(
 
     # Output columns offs_n; a gated ACT pairs each with a gate and an up row of W, both
     # multiplied by the same A tile into two accumulators.
-    GATED: tl.constexpr = ACT == "silu" or ACT == "gelu" or ACT == "gelu_tanh" or ACT == "swigluoai"
+    # every gated activation of fusedmoe.config.Activation (the *_no_mul ones map h alone)
+    GATED: tl.constexpr = (
+        ACT == "silu"
+        or ACT == "gelu"
+        or ACT == "gelu_tanh"
+        or ACT == "swigluoai"
+        or ACT == "silu_clamp"
+        or ACT == "silu_clamp_post"
+        or ACT == "silu_softcap"
+    )
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     if GATED and INTERLEAVED:
