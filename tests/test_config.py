@@ -13,6 +13,7 @@ CONFIGS = [
     MoEConfig(8, 2, 64, 32),
     MoEConfig(32, 4, 2880, 2880, activation="swigluoai", has_bias=True, gate_up_interleaved=True, dtype=torch.float16),
     MoEConfig(5, 1, 72, 40, activation=Activation.RELU2_NO_MUL, apply_router_weight_on_input=True),
+    MoEConfig(6, 4, 64, 32, identity_experts=3, activation="silu_softcap", swiglu_alpha=25.0, swiglu_limit=4.0),
 ]
 
 
@@ -32,7 +33,7 @@ def test_repr_evaluates_back(obj):
         ),
         (
             dict(num_experts=4, top_k=5, hidden_size=8, intermediate_size=8),
-            r"MoEConfig.top_k: expected <= num_experts \(4\)",
+            r"MoEConfig.top_k: expected <= num_experts \+ identity_experts \(4\)",
         ),
         (
             dict(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8, activation="tanh"),
@@ -53,6 +54,25 @@ def test_repr_evaluates_back(obj):
                 gate_up_interleaved=True,
             ),
             "MoEConfig.gate_up_interleaved: expected False",
+        ),
+        (
+            dict(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8, identity_experts=-1),
+            "MoEConfig.identity_experts: expected an int >= 0",
+        ),
+        (
+            dict(
+                num_experts=4,
+                top_k=1,
+                hidden_size=8,
+                intermediate_size=8,
+                identity_experts=2,
+                apply_router_weight_on_input=True,
+            ),
+            "MoEConfig.identity_experts: expected 0 with apply_router_weight_on_input",
+        ),  # fmt: skip
+        (
+            dict(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8, activation="silu_softcap", swiglu_alpha=0),
+            "MoEConfig.swiglu_alpha: expected > 0",
         ),
     ],
 )

@@ -427,6 +427,15 @@ _BAD_CONFIGS = [
         dict(custom_fn=llama4_routing, num_expert_group=2, topk_group=1),
         "RouterConfig.custom_fn",
     ),
+    ("softcap_zero", dict(logit_softcap=0.0), "RouterConfig.logit_softcap"),
+    ("softcap_inf", dict(logit_softcap=float("inf")), "RouterConfig.logit_softcap"),
+    ("bias_on_logits_int", dict(bias_on_logits=1), "RouterConfig.bias_on_logits"),
+    ("group_score_name", dict(num_expert_group=4, topk_group=2, group_score="sum"), "RouterConfig.group_score"),
+    ("group_score_alone", dict(group_score="max"), "RouterConfig.group_score"),
+    ("sparsemixer_top3", dict(scoring="sparsemixer", top_k=3), "RouterConfig.top_k"),
+    ("sparsemixer_renorm", dict(scoring="sparsemixer", renormalize=True), "RouterConfig.scoring"),
+    ("sparsemixer_eps", dict(sparsemixer_eps=-0.1), "RouterConfig.sparsemixer_eps"),
+    ("custom_with_softcap", dict(custom_fn=llama4_routing, logit_softcap=5.0), "RouterConfig.custom_fn"),
 ]
 
 
@@ -473,9 +482,75 @@ def test_route_errors_name_the_argument():
             routed_scaling_factor=2.5,
         ),
         RouterConfig(num_experts=16, top_k=1, custom_fn=llama4_routing),
+        RouterConfig(num_experts=8, top_k=2, scoring="sigmoid", logit_softcap=30.0, bias_on_logits=True),
+        RouterConfig(num_experts=8, top_k=2, scoring="sparsemixer", sparsemixer_eps=0.02),
+        RouterConfig(num_experts=8, top_k=2, num_expert_group=4, topk_group=2, group_score="top2_sum"),
     ],
-    ids=["plain", "deepseek_v3", "custom"],
+    ids=["plain", "deepseek_v3", "custom", "softcap_bias_on_logits", "sparsemixer", "group_score"],
 )
 def test_repr_evaluates_back(cfg):
     assert eval(repr(cfg), {"RouterConfig": RouterConfig, "llama4_routing": llama4_routing}) == cfg
     assert RouterConfig(num_experts=4, top_k=1, routed_scaling_factor=2).routed_scaling_factor == 2.0
+
+
+# ------------------------------------------------ soft-cap, bias on logits, group score, sparsemixer
+
+
+def test_logit_softcap_routes_the_capped_logits():
+    logits = torch.randn(32, 8, generator=torch.Generator().manual_seed(0)) * 20
+    cfg = RouterConfig(8, 2, scoring="sigmoid", renormalize=True, logit_softcap=5.0)
+    got = cfg.route(logits)
+    want = RouterConfig(8, 2, scoring="sigmoid", renormalize=True).route(torch.tanh(logits / 5.0) * 5.0)
+    assert torch.equal(got.ids, want.ids)
+    torch.testing.assert_close(got.weights, want.weights, rtol=1e-6, atol=0)
+
+
+def test_bias_on_logits_chooses_by_logits_and_weighs_by_scores_by_hand():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    bias = torch.tensor([0.0, 0.0, 1.5, 0.0])  # logits + bias: 2, 1, 1.5, -1 -> experts 0 and 2
+    out = RouterConfig(4, 2, scoring="sigmoid", bias_on_logits=True, renormalize=False).route(logits, bias)
+    assert _ids(out) == [[0, 2]]
+    _close(out.weights, [[1 / (1 + math.exp(-2.0)), 0.5]])
+    # on the scores instead: sigmoid + bias = 0.88, 0.73, 2.0, 0.27 -> experts 2 and 0
+    assert _ids(RouterConfig(4, 2, scoring="sigmoid").route(logits, bias)) == [[2, 0]]
+
+
+def test_group_score_top2_sum_without_a_bias_by_hand():
+    # groups {0,1}, {2,3}: best-of-group 0.9 vs 0.6, two-best sums 1.0 vs 1.2
+    probs = torch.tensor([[0.9, 0.1, 0.6, 0.6]])
+    logits = torch.logit(probs)
+    grouped = dict(num_expert_group=2, topk_group=1, scoring="sigmoid")
+    assert _ids(RouterConfig(4, 2, **grouped).route(logits)) == [[0, 1]]  # default without a bias: max
+    assert _ids(RouterConfig(4, 2, **grouped, group_score="top2_sum").route(logits)) == [[2, 3]]
+    bias = torch.zeros(4)
+    assert _ids(RouterConfig(4, 2, **grouped, group_score="max").route(logits, bias)) == [[0, 1]]
+
+
+def test_sparsemixer_by_hand():
+    logits = torch.tensor([[4.0, 3.99, 1.0, 3.0]])
+    # eps 0.01: expert 0 with the logits within 2% of 4 ((4 - l) / max(|l|, 4) <= 0.02): 0 and 1;
+    # then expert 1 (best of the rest) with those within 2% of 3.99 among 1, 2, 3: only 1 itself
+    out = RouterConfig(4, 2, scoring="sparsemixer", sparsemixer_eps=0.01).route(logits)
+    assert _ids(out) == [[0, 1]]
+    e = math.exp(-0.01)
+    _close(out.weights, [[1 / (1 + e), 1.0]])
+    wide = RouterConfig(4, 2, scoring="sparsemixer", sparsemixer_eps=10.0).route(logits)
+    first = torch.softmax(logits, dim=-1)[0, 0]
+    second = torch.softmax(logits[:, 1:], dim=-1)[0, 0]
+    _close(wide.weights, [[float(first), float(second)]])
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(logit_softcap=5.0),
+        dict(bias_on_logits=True, scoring="sigmoid"),
+        dict(scoring="sparsemixer"),
+        dict(num_expert_group=4, topk_group=2, group_score="max"),
+    ],
+    ids=["softcap", "bias_on_logits", "sparsemixer", "group_score"],
+)
+def test_the_fused_kernel_refuses_what_only_pytorch_computes(kw):
+    cfg = RouterConfig(8, 2, **kw)
+    with pytest.raises(FusedMoEError, match=r"route\(fused=True\)"):
+        cfg.route(torch.randn(4, 8), fused=True)

@@ -8,6 +8,12 @@ swigluoai (gpt-oss), with alpha = 1.702 and limit = 7.0 by default::
 
     gate = min(gate, limit); up = clamp(up, -limit, limit)
     out  = (up + 1) * gate * sigmoid(alpha * gate)
+
+The other bounded SiLU gates (``MoEConfig.swiglu_limit`` = L, ``swiglu_alpha`` = A)::
+
+    silu_clamp       silu(min(gate, L)) * clamp(up, -L, L)
+    silu_clamp_post  min(silu(gate), L) * clamp(up, -L, L)
+    silu_softcap     L tanh(gate / L) * sigmoid(gate) * A tanh(up / A)
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ def apply_activation(h: torch.Tensor, config: MoEConfig) -> torch.Tensor:
             return F.silu(h)
         if act is Activation.GELU_NO_MUL:
             return F.gelu(h)
+        if act is Activation.RELU_NO_MUL:
+            return F.relu(h)
         return torch.square(F.relu(h))  # RELU2_NO_MUL
     gate, up = split_gate_up(h, config.gate_up_interleaved)
     if act is Activation.SILU:
@@ -41,8 +49,15 @@ def apply_activation(h: torch.Tensor, config: MoEConfig) -> torch.Tensor:
         return F.gelu(gate) * up
     if act is Activation.GELU_TANH:
         return F.gelu(gate, approximate="tanh") * up
-    # SWIGLUOAI
     lim = config.swiglu_limit
+    if act is Activation.SILU_CLAMP:
+        return F.silu(gate.clamp(max=lim)) * up.clamp(-lim, lim)
+    if act is Activation.SILU_CLAMP_POST:
+        return F.silu(gate).clamp(max=lim) * up.clamp(-lim, lim)
+    if act is Activation.SILU_SOFTCAP:
+        cap = config.swiglu_alpha
+        return lim * torch.tanh(gate / lim) * torch.sigmoid(gate) * (cap * torch.tanh(up / cap))
+    # SWIGLUOAI
     gate = gate.clamp(max=lim)
     up = up.clamp(-lim, lim)
     return (up + 1) * gate * torch.sigmoid(config.swiglu_alpha * gate)

@@ -137,7 +137,7 @@ def _as_topk(routing, x, config: MoEConfig, router) -> TopK:
     if isinstance(routing, (tuple, list)):
         expect(len(routing) == 2, "routing", "(topk_ids, topk_weights)", len(routing))
         return TopK(routing[0], routing[1])
-    e = config.num_experts
+    e = config.num_experts + config.identity_experts  # logits cover the identity experts too
     if not isinstance(routing, torch.Tensor):
         expect(False, "routing", "router logits [T, E], a TopK or (ids, weights)", type(routing))
     t = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() >= 1 else None

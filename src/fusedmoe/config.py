@@ -32,8 +32,12 @@ class Activation(str, enum.Enum):
     GELU = "gelu"  # gelu(gate) * up, exact erf
     GELU_TANH = "gelu_tanh"  # gelu(gate, tanh approximation) * up
     SWIGLUOAI = "swigluoai"  # gpt-oss: clamp, gate*sigmoid(alpha*gate)*(up+1)
+    SILU_CLAMP = "silu_clamp"  # DeepSeek-V4, GLM-5-Next, HY-V4: silu(min(gate, limit)) * clamp(up, +-limit)
+    SILU_CLAMP_POST = "silu_clamp_post"  # Step-3.7: min(silu(gate), limit) * clamp(up, +-limit)
+    SILU_SOFTCAP = "silu_softcap"  # Inkling-2: cap(gate, limit) * sigmoid(gate) * cap(up, alpha)
     SILU_NO_MUL = "silu_no_mul"  # silu(h), W13 has I rows
     GELU_NO_MUL = "gelu_no_mul"  # gelu(h)
+    RELU_NO_MUL = "relu_no_mul"  # relu(h) (Switch Transformers)
     RELU2_NO_MUL = "relu2_no_mul"  # relu(h)^2
 
     def __repr__(self) -> str:
@@ -58,7 +62,13 @@ class MoEConfig:
                       (needs top_k == 1) instead of weighting the output.
     gate_up_interleaved: W13 rows alternate gate, up (gpt-oss) instead of
                       [all gate rows; all up rows].
-    swiglu_alpha / swiglu_limit: parameters of ``swigluoai``.
+    swiglu_alpha / swiglu_limit: parameters of the bounded activations: ``swigluoai``
+                      (alpha, limit), ``silu_clamp`` and ``silu_clamp_post`` (limit),
+                      ``silu_softcap`` (the gate's cap is limit, up's cap is alpha;
+                      cap(v, c) = c * tanh(v / c)).
+    identity_experts: Z zero-compute experts after the E real ones (LongCat-Flash): a
+                      top-k id in [E, E + Z) adds w * x to the output, no GEMM. The
+                      router chooses among E + Z; the weights hold the E real experts.
     dtype:            the model (activation and output) dtype.
     """
 
@@ -72,6 +82,7 @@ class MoEConfig:
     gate_up_interleaved: bool = False
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    identity_experts: int = 0
     dtype: torch.dtype = torch.bfloat16
 
     def __post_init__(self) -> None:
@@ -82,14 +93,19 @@ class MoEConfig:
         for f in ("num_experts", "top_k", "hidden_size", "intermediate_size"):
             v = getattr(self, f)
             expect(isinstance(v, int) and v > 0, f"MoEConfig.{f}", "a positive int", v)
+        z = self.identity_experts
         expect(
-            self.top_k <= self.num_experts,
+            isinstance(z, int) and not isinstance(z, bool) and z >= 0, "MoEConfig.identity_experts", "an int >= 0", z
+        )
+        expect(
+            self.top_k <= self.num_experts + z,
             "MoEConfig.top_k",
-            f"<= num_experts ({self.num_experts})",
+            f"<= num_experts + identity_experts ({self.num_experts + z})",
             self.top_k,
         )
         expect(self.dtype in SUPPORTED_DTYPES, "MoEConfig.dtype", f"one of {SUPPORTED_DTYPES}", self.dtype)
         if self.apply_router_weight_on_input:
+            expect(z == 0, "MoEConfig.identity_experts", "0 with apply_router_weight_on_input", z)
             expect(
                 self.top_k == 1,
                 "MoEConfig.apply_router_weight_on_input",
@@ -104,6 +120,13 @@ class MoEConfig:
                 self.activation,
             )
         expect(self.swiglu_limit > 0, "MoEConfig.swiglu_limit", "> 0", self.swiglu_limit)
+        if self.activation is Activation.SILU_SOFTCAP:
+            expect(
+                self.swiglu_alpha > 0,
+                "MoEConfig.swiglu_alpha",
+                "> 0 (the cap of up for silu_softcap)",
+                self.swiglu_alpha,
+            )
 
     @property
     def w13_rows(self) -> int:

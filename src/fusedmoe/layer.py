@@ -177,7 +177,8 @@ class FusedMoE(torch.nn.Module):
         super().__init__()
         self.config = config
         self.scheme = scheme or QuantScheme.unquantized()
-        self.router = router or RouterConfig(config.num_experts, config.top_k, renormalize=True)
+        e = config.num_experts + config.identity_experts
+        self.router = router or RouterConfig(e, config.top_k, renormalize=True)
         self.parallel = parallel or ParallelConfig()
         self.backend = backend
         self.shared_experts = shared_experts
@@ -185,9 +186,9 @@ class FusedMoE(torch.nn.Module):
         self.platform = platform
         self.chunk_size = chunk_size
         expect(
-            self.router.num_experts == config.num_experts and self.router.top_k == config.top_k,
+            self.router.num_experts == e and self.router.top_k == config.top_k,
             "router",
-            f"num_experts={config.num_experts}, top_k={config.top_k} as in the MoEConfig",
+            f"num_experts={e}, top_k={config.top_k} as in the MoEConfig (identity experts included)",
             (self.router.num_experts, self.router.top_k),
         )
         if online_quant:

@@ -4,18 +4,26 @@
 fused routing kernel is checked against. Everything is computed in float32, whatever
 the logits dtype::
 
+    logits  = c * tanh(logits / c)         (logit_softcap c, Laguna; else unchanged)
     scores  = softmax(logits) over E      (scoring='softmax')
             | sigmoid(logits)              (scoring='sigmoid')
     choice  = scores + correction_bias     (DeepSeek-V3 ``e_score_correction_bias``; else scores)
+            | logits + correction_bias     (bias_on_logits, Kolibri-1)
     grouped top-k (num_expert_group G, topk_group TG): the E experts form G
             contiguous groups of E/G; a group's score is the sum of its two
-            largest ``choice`` values when a correction bias is given (DeepSeek-V3),
-            else its largest ``choice`` (DeepSeek-V2); the TG best groups are kept
+            largest ``choice`` values (group_score='top2_sum'; DeepSeek-V3, Mistral-4)
+            or its largest one ('max', DeepSeek-V2); unset, 'top2_sum' when a
+            correction bias is given, else 'max'. The TG best groups are kept
             and experts of the other groups cannot be chosen.
     ids     = the K experts with the largest ``choice``
     weights = scores[ids]                  (the *unbiased* scores)
             / sum(weights)                 (renormalize)
             * routed_scaling_factor
+
+scoring='sparsemixer' (PhiMoE, inference form; K = 2, no groups or bias): the first
+expert is the largest logit m1, weighted by softmax over the logits within
+``sparsemixer_eps`` of it ((m1 - l) / max(|l|, m1) <= 2 eps); the second is the
+largest of the others, m2, weighted the same way among the others within 2 eps of m2.
 
 Tie-breaking is deterministic and documented: among equal values the lower id
 wins, for experts and for groups alike (a stable descending sort, since
@@ -33,6 +41,9 @@ within a few float32 ulps. ``fused=None`` (the default) takes the kernel when th
 logits are on a CUDA device, there is no ``custom_fn``, E <= 1024
 (``kernels.route.MAX_EXPERTS``) and ``FUSEDMOE_FUSED_ROUTING`` is not "0"; on the CPU
 (the Triton interpreter included) it stays in PyTorch.
+
+The fused kernel has no soft-cap, bias on logits, sparsemixer or group score other than
+the default rule: with any of them the PyTorch path runs.
 
 ``custom_fn(logits, top_k) -> (weights [T, K], ids [T, K])`` replaces all of
 the above (the other settings must keep their defaults). Its result's shapes and
@@ -57,7 +68,8 @@ from .metadata import TopK, int32_ids
 __all__ = ["SCORINGS", "RouterConfig", "route"]
 
 
-SCORINGS = ("softmax", "sigmoid")
+SCORINGS = ("softmax", "sigmoid", "sparsemixer")
+GROUP_SCORES = ("max", "top2_sum")
 
 CustomRoutingFn = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
 
@@ -75,10 +87,15 @@ class RouterConfig:
     scoring:          'softmax' or 'sigmoid'.
     renormalize:      divide the K weights of a token by their sum (default True: what
                       ``fused_moe`` and ``FusedMoE`` route with when given no router, and what
-                      Mixtral, Qwen3 and gpt-oss do; False for DeepSeek-V2-style routers).
+                      Mixtral, Qwen3 and gpt-oss do; False for DeepSeek-V2-style routers; the
+                      default is False for 'sparsemixer', whose weights are its own).
     num_expert_group: G, number of expert groups for grouped top-k (None: no grouping).
     topk_group:       TG, groups kept per token (set together with G).
     routed_scaling_factor: multiplies the final weights (after renormalization).
+    logit_softcap:    c: logits become c * tanh(logits / c) first (None: unchanged).
+    bias_on_logits:   the correction bias is added to the logits for the choice, not to the scores.
+    group_score:      'max' or 'top2_sum' (None: 'top2_sum' with a correction bias, else 'max').
+    sparsemixer_eps:  the relative band of scoring='sparsemixer' (PhiMoE ``router_jitter_noise``).
     custom_fn:        ``custom_fn(logits, top_k) -> (weights, ids)`` replacing the rest.
 
     The repr evaluates back to an equal object; a ``custom_fn`` is written by
@@ -88,10 +105,14 @@ class RouterConfig:
     num_experts: int
     top_k: int
     scoring: str = "softmax"
-    renormalize: bool = True
+    renormalize: bool | None = None
     num_expert_group: int | None = None
     topk_group: int | None = None
     routed_scaling_factor: float = 1.0
+    logit_softcap: float | None = None
+    bias_on_logits: bool = False
+    group_score: str | None = None
+    sparsemixer_eps: float = 0.01
     custom_fn: CustomRoutingFn | None = None
 
     def __post_init__(self) -> None:
@@ -100,6 +121,8 @@ class RouterConfig:
         expect(_is_int(k) and k > 0, "RouterConfig.top_k", "a positive int", k)
         expect(k <= e, "RouterConfig.top_k", f"<= num_experts ({e})", k)
         expect(self.scoring in SCORINGS, "RouterConfig.scoring", f"one of {SCORINGS}", self.scoring)
+        if self.renormalize is None:  # the default: renormalize, except sparsemixer, whose weights are its own
+            object.__setattr__(self, "renormalize", self.scoring != "sparsemixer")
         expect(
             isinstance(self.renormalize, bool),
             "RouterConfig.renormalize",
@@ -136,6 +159,7 @@ class RouterConfig:
             f,
         )
         object.__setattr__(self, "routed_scaling_factor", float(f))
+        self._check_extensions()
         if self.custom_fn is not None:
             expect(callable(self.custom_fn), "RouterConfig.custom_fn", "a callable", self.custom_fn)
             defaults = RouterConfig(num_experts=e, top_k=k)
@@ -150,6 +174,27 @@ class RouterConfig:
                 "RouterConfig.custom_fn",
                 "the other routing settings at their defaults (custom_fn replaces them)",
                 changed,
+            )
+
+    def _check_extensions(self) -> None:
+        c = self.logit_softcap
+        if c is not None:
+            expect(_is_number(c) and math.isfinite(c) and c > 0, "RouterConfig.logit_softcap", "None or > 0", c)
+            object.__setattr__(self, "logit_softcap", float(c))
+        expect(isinstance(self.bias_on_logits, bool), "RouterConfig.bias_on_logits", "a bool", self.bias_on_logits)
+        gs = self.group_score
+        expect(gs is None or gs in GROUP_SCORES, "RouterConfig.group_score", f"None or one of {GROUP_SCORES}", gs)
+        expect(gs is None or self.grouped, "RouterConfig.group_score", "None without grouped top-k", gs)
+        eps = self.sparsemixer_eps
+        expect(_is_number(eps) and math.isfinite(eps) and eps >= 0, "RouterConfig.sparsemixer_eps", ">= 0", eps)
+        object.__setattr__(self, "sparsemixer_eps", float(eps))
+        if self.scoring == "sparsemixer":
+            expect(self.top_k == 2, "RouterConfig.top_k", "2 with scoring='sparsemixer'", self.top_k)
+            expect(
+                not (self.grouped or self.renormalize or self.bias_on_logits),
+                "RouterConfig.scoring",
+                "'sparsemixer' without grouped top-k, renormalize or bias_on_logits",
+                self.scoring,
             )
 
     def __repr__(self) -> str:
@@ -211,13 +256,20 @@ class RouterConfig:
         if self.custom_fn is not None:
             return self._route_custom(logits, env.check_values(check_values))
 
-        scores = logits.float()
-        scores = scores.softmax(dim=-1) if self.scoring == "softmax" else scores.sigmoid()
+        logits = logits.float()
+        if self.logit_softcap is not None:
+            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
+        if self.scoring == "sparsemixer":
+            expect(correction_bias is None, "correction_bias", "None with scoring='sparsemixer'")
+            return self._sparsemixer(logits)
+        scores = logits.softmax(dim=-1) if self.scoring == "softmax" else logits.sigmoid()
         choice = scores
         if correction_bias is not None:
-            choice = scores + correction_bias.to(device=scores.device, dtype=torch.float32)
+            bias = correction_bias.to(device=scores.device, dtype=torch.float32)
+            choice = (logits if self.bias_on_logits else scores) + bias
         if self.grouped:
-            choice = self._mask_groups(choice, two_best=correction_bias is not None)
+            two_best = self.group_score == "top2_sum" or (self.group_score is None and correction_bias is not None)
+            choice = self._mask_groups(choice, two_best=two_best)
         ids = _topk_ids(choice, self.top_k)
         weights = scores.gather(1, ids)
         if self.renormalize:
@@ -236,11 +288,40 @@ class RouterConfig:
             return False
         from .kernels.route import unsupported_reason
 
-        reason = unsupported_reason(self, logits)
+        reason = self._pytorch_only() or unsupported_reason(self, logits)
         if fused is None:
             return reason is None
         expect(reason is None, "RouterConfig.route(fused=True)", reason)
         return True
+
+    def _pytorch_only(self) -> str | None:
+        """What of this config only the PyTorch path computes (the fused kernel has none of it)."""
+        if self.logit_softcap is not None:
+            return "no logit_softcap"
+        if self.bias_on_logits:
+            return "no bias_on_logits"
+        if self.scoring == "sparsemixer":
+            return "scoring 'softmax' or 'sigmoid', not 'sparsemixer'"
+        if self.group_score is not None:
+            # the kernel's rule: the two best with a correction bias, the best without; an explicit
+            # score is only known to agree with it once the bias is seen, so it runs in PyTorch
+            return "group_score None (the kernel scores groups by the default rule)"
+        return None
+
+    def _sparsemixer(self, logits: torch.Tensor) -> TopK:
+        """PhiMoE's sparsemixer at inference (module docstring): two experts, each weighted by
+        a softmax over the logits within 2 eps of its own (relative to max(|logit|, its logit))."""
+        band = 2 * self.sparsemixer_eps
+        m1, i1 = logits.max(dim=-1, keepdim=True)
+        w1 = _banded_softmax_at(logits, logits, m1, i1, band)
+        rest = logits.scatter(-1, i1, float("-inf"))
+        m2, i2 = rest.max(dim=-1, keepdim=True)
+        w2 = _banded_softmax_at(rest, logits, m2, i2, band)
+        weights = torch.cat([w1, w2], dim=-1)
+        if self.routed_scaling_factor != 1.0:
+            weights = weights * self.routed_scaling_factor
+        ids = torch.cat([i1, i2], dim=-1)
+        return TopK(ids=ids.to(torch.int32).contiguous(), weights=weights.contiguous())
 
     def _mask_groups(self, choice: torch.Tensor, two_best: bool) -> torch.Tensor:
         """``choice`` with the experts outside each token's TG best groups set to -inf."""
@@ -292,6 +373,19 @@ class RouterConfig:
 def _fused_routing_enabled() -> bool:
     """``FUSEDMOE_FUSED_ROUTING`` (default on), a constant of a compiled graph."""
     return env.fused_routing()
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _banded_softmax_at(
+    values: torch.Tensor, logits: torch.Tensor, top: torch.Tensor, at: torch.Tensor, band: float
+) -> torch.Tensor:
+    """softmax over ``values`` with the entries farther than ``band`` below ``top`` (relative to
+    max(|logit|, top)) left out, read at column ``at``: sparsemixer's weight of one choice."""
+    far = (top - logits) / logits.abs().clamp(min=top) > band
+    return values.masked_fill(far, float("-inf")).softmax(dim=-1).gather(-1, at)
 
 
 def _topk_ids(values: torch.Tensor, k: int) -> torch.Tensor:

@@ -285,5 +285,5 @@ def test_moe_forward_takes_flat_tokens(name):
 
 
 def test_extract_names_unsupported_blocks():
-    with pytest.raises(FusedMoEError, match="block: expected one of"):
+    with pytest.raises(FusedMoEError, match="block: expected a MoE block whose code fusedmoe maps"):
         extract(torch.nn.Linear(4, 4))

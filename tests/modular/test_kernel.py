@@ -141,6 +141,32 @@ def test_router_weight_on_input():
     assert rel_error(off, prob.reference()) > 0.05
 
 
+@pytest.mark.parametrize("kernel", KERNELS[:3], ids=lambda k: k[1])
+def test_identity_experts_add_their_weight_times_x(kernel):
+    config = MoEConfig(4, 3, 64, 32, identity_experts=2)
+    prob = make_problem(config.replace(identity_experts=0, top_k=2), QuantScheme.fp8_per_token(), 11, seed=5)
+    g = torch.Generator().manual_seed(6)
+    ids = torch.stack([torch.randperm(6, generator=g)[:3] for _ in range(11)]).to(torch.int32)
+    w = torch.rand(11, 3, generator=g)
+    out = fused_moe(prob.x, (ids, w), prob.weights, config, prob.scheme, backend=kernel[1])
+    ref = moe_reference(prob.x, ids, w, prob.weights, config, prob.scheme)
+    assert rel_error(out, ref) <= tolerance(prob.scheme, config.dtype)
+    # by hand: the routed pairs alone, plus w * x for the identity ones
+    routed = ids < 4
+    alone = moe_reference(prob.x, ids.clamp(max=3), w * routed, prob.weights, config.replace(identity_experts=0),
+                          prob.scheme)  # fmt: skip
+    by_hand = alone + prob.x.double() * (w.double() * ~routed).sum(dim=1, keepdim=True)
+    assert rel_error(ref, by_hand) < 1e-12
+
+
+def test_identity_experts_are_refused_under_expert_parallelism():
+    config = MoEConfig(4, 2, 64, 32, identity_experts=2)
+    prob = make_problem(config.replace(identity_experts=0), QuantScheme.unquantized(), 3, seed=2)
+    emap = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+    with pytest.raises(FusedMoEError, match="MoEConfig.identity_experts: expected 0 under expert parallelism"):
+        fused_moe(prob.x, (prob.topk_ids, prob.topk_weights), prob.weights, config, backend="cpu", expert_map=emap)
+
+
 def test_shared_experts_hook_is_added():
     config = MoEConfig(4, 2, 64, 32)
     prob = make_problem(config, QuantScheme.unquantized(), 6, seed=3)

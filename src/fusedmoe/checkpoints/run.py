@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from ..errors import FusedMoEError
 from ..experts.reference import moe_reference
-from ..integrations.hf_blocks import SUPPORTED_BLOCKS
+from ..integrations.hf_moe import is_experts_module
 from ..layer import FusedMoE
 from ..quant import QDtype
 from ..testing import rel_error, tolerance
@@ -80,15 +80,17 @@ def transformers_block(path: str, layer: int) -> tuple[torch.nn.Module | None, s
         return None, f"transformers did not load layer {layer} from its tensors ({len(off)} keys, e.g. {off[0]})"
     decoder = model.model.layers[layer]
     for name, child in decoder.named_children():
-        w = getattr(getattr(child, "experts", None), "gate_up_proj", None)
-        if type(child).__name__ in SUPPORTED_BLOCKS and not (torch.is_tensor(w) and w.dtype.itemsize > 1):
+        experts = getattr(child, "experts", None)
+        if experts is None or not is_experts_module(experts):  # not an MoE block with an experts module
+            continue
+        w = getattr(experts, "gate_up_proj", None)
+        if w is not None and not (torch.is_tensor(w) and w.dtype.itemsize > 1):
             # compressed-tensors NVFP4 stays packed in transformers 5.24 on the CPU, its forward gives zeros
             return None, f"transformers keeps layer {layer}'s experts quantized ({getattr(w, 'dtype', type(w))})"
-        if type(child).__name__ in SUPPORTED_BLOCKS:
-            return (
-                child.eval(),
-                f"transformers {transformers.__version__} {type(child).__name__} (layer {layer}.{name})",
-            )
+        return (
+            child.eval(),
+            f"transformers {transformers.__version__} {type(child).__name__} (layer {layer}.{name})",
+        )
     return None, f"transformers built no MoE block fusedmoe knows in layer {layer}"
 
 

@@ -12,7 +12,9 @@ weights, with activations quantized exactly where and how the scheme says::
     out[t] = sum_k w[t,k] * y  (or plain sum when weighted on input)
 
 Pairs whose id is outside [0, E), or whose expert maps outside [0, E_local) under
-``expert_map`` (-1: another rank's), contribute nothing (``metadata.TopK``).
+``expert_map`` (-1: another rank's), contribute nothing (``metadata.TopK``); the one exception
+is a layer's ``identity_experts``: a pair whose id is one of them (E <= id < E + Z) contributes
+w[t,k] * x (unquantized).
 Q(.) = dequantize(quantize(.)): the values a kernel would feed its GEMM.
 Every backend is compared with this function; it is never a second copy in tests.
 
@@ -116,7 +118,12 @@ def moe_reference(
 ) -> torch.Tensor:
     """The MoE layer's output [T, H] in ``dtype`` (see the module docstring)."""
     xq = quantize_input(x, topk_weights, weights, config, scheme, dtype)
-    return routed_experts(xq, topk_ids, topk_weights, weights, config, scheme, expert_map, dtype, deterministic)
+    out = routed_experts(xq, topk_ids, topk_weights, weights, config, scheme, expert_map, dtype, deterministic)
+    if config.identity_experts:
+        ids = topk_ids.long()
+        chosen = ((ids >= config.num_experts) & (ids < config.num_experts + config.identity_experts)).to(dtype)
+        out += x.to(dtype) * (topk_weights.to(dtype) * chosen).sum(dim=1, keepdim=True)
+    return out
 
 
 def routed_experts(
@@ -130,7 +137,8 @@ def routed_experts(
     dtype: torch.dtype,
     deterministic: bool = False,
 ) -> torch.Tensor:
-    """Everything after Q_a1: xq [T, H] (real values) -> weighted sum over K, [T, H]."""
+    """Everything after Q_a1: xq [T, H] (real values) -> weighted sum over K, [T, H]; the pairs
+    of identity experts (ids >= E) are left to the caller."""
     t, h = xq.shape
     k = topk_ids.shape[1]
     out = torch.zeros(t, h, dtype=dtype, device=xq.device)

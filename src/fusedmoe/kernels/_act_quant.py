@@ -63,7 +63,7 @@ def _store_float(ptr, v, mask, EXACT_CAST: tl.constexpr):
 def _activation(x_ptr, rows, cols, mask, stride_xm, I, alpha, limit, ACT: tl.constexpr, INTERLEAVED: tl.constexpr):
     """fp32 [BM, BK]: the activation of output columns ``cols`` (``fusedmoe.activations``)."""
     base = x_ptr + rows[:, None].to(tl.int64) * stride_xm
-    if ACT == "none" or ACT == "silu_no_mul" or ACT == "gelu_no_mul" or ACT == "relu2_no_mul":
+    if ACT == "none" or ACT == "silu_no_mul" or ACT == "gelu_no_mul" or ACT == "relu_no_mul" or ACT == "relu2_no_mul":
         h = tl.load(base + cols[None, :], mask=mask, other=0).to(tl.float32)
         return apply_act(h, h, alpha, limit, ACT)
     else:

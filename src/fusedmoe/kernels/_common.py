@@ -66,6 +66,8 @@ def apply_act(gate, up, alpha, limit, ACT: tl.constexpr):
         return gate * tl.sigmoid(gate)
     elif ACT == "gelu_no_mul":
         return 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476))
+    elif ACT == "relu_no_mul":
+        return tl.where(gate < 0.0, 0.0, gate)  # a select keeps NaN (see relu2_no_mul)
     elif ACT == "relu2_no_mul":
         # selects, not tl.maximum/minimum: the GPU's float max returns the other operand for a
         # NaN, and the NaN policy (validation.py) wants a NaN input to stay NaN, as in PyTorch
@@ -79,6 +81,18 @@ def apply_act(gate, up, alpha, limit, ACT: tl.constexpr):
         z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
         z = tl.minimum(tl.maximum(z, -15.0), 15.0)  # tanh(15) is 1 in fp32; avoids exp overflow
         return 0.5 * gate * (2.0 * tl.sigmoid(2.0 * z)) * up  # 1 + tanh(z) = 2 sigmoid(2z)
+    elif ACT == "silu_clamp":
+        g = tl.where(gate > limit, limit, gate)
+        u = tl.where(up > limit, limit, tl.where(up < -limit, -limit, up))
+        return g * tl.sigmoid(g) * u
+    elif ACT == "silu_clamp_post":
+        s = gate * tl.sigmoid(gate)
+        u = tl.where(up > limit, limit, tl.where(up < -limit, -limit, up))
+        return tl.where(s > limit, limit, s) * u
+    elif ACT == "silu_softcap":  # limit caps gate, alpha caps up: c tanh(v / c) = c (2 sigmoid(2v / c) - 1)
+        gc = limit * (2.0 * tl.sigmoid(2.0 * gate / limit) - 1.0)
+        uc = alpha * (2.0 * tl.sigmoid(2.0 * up / alpha) - 1.0)
+        return gc * tl.sigmoid(gate) * uc
     else:  # swigluoai
         g = tl.where(gate > limit, limit, gate)
         u = tl.where(up > limit, limit, tl.where(up < -limit, -limit, up))

@@ -362,6 +362,7 @@ def _grouped_gemm_kernel(
     NATIVE: tl.constexpr,  # w8a8: the stored bytes feed tl.dot (BM >= 16)
     DOT_DTYPE: tl.constexpr,
     ACT: tl.constexpr,  # "none" | an Activation value, applied in the epilogue
+    GATED: tl.constexpr,  # ACT takes a gate and an up row (Activation.is_gated)
     INTERLEAVED: tl.constexpr,  # gated ACT: gate/up are W rows 2n, 2n+1 (else n, N + n)
     OUT_QUANT: tl.constexpr,  # "none" | "fp8" | "int8": C quantized with c_scale_ptr
     EXACT_CAST: tl.constexpr,  # the interpreter: encode fp8 by hand (see _common.e4m3_bits)
@@ -401,7 +402,6 @@ def _grouped_gemm_kernel(
 
     # Output columns offs_n; a gated ACT pairs each with a gate and an up row of W, both
     # multiplied by the same A tile into two accumulators.
-    GATED: tl.constexpr = ACT == "silu" or ACT == "gelu" or ACT == "gelu_tanh" or ACT == "swigluoai"
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     if GATED and INTERLEAVED:

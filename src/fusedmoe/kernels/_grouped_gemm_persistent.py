@@ -294,6 +294,7 @@ def _persistent_gemm_kernel(
     NATIVE: tl.constexpr,  # w8a8: the stored bytes feed tl.dot
     DOT_DTYPE: tl.constexpr,
     ACT: tl.constexpr,  # "none" | an Activation value
+    GATED: tl.constexpr,  # ACT takes a gate and an up row (Activation.is_gated)
     INTERLEAVED: tl.constexpr,
     OUT_QUANT: tl.constexpr,  # "none" | "fp8" | "int8" (static) | "fp8_group" (dynamic 1 x OUT_GROUP)
     OUT_GROUP: tl.constexpr,
@@ -308,7 +309,6 @@ def _persistent_gemm_kernel(
 ):
     # One body for every layout and format: the branches are constexpr, so each compiled
     # variant holds only its own path (the old kernel is organised the same way).
-    GATED: tl.constexpr = ACT == "silu" or ACT == "gelu" or ACT == "gelu_tanh" or ACT == "swigluoai"
     WIDE: tl.constexpr = GATED and INTERLEAVED  # one [BM, 2BN] accumulator, split after the K loop
     BNL: tl.constexpr = 2 * BLOCK_N if WIDE else BLOCK_N  # W rows per descriptor load
     A_PER_K: tl.constexpr = A_GROUP > 0

@@ -346,6 +346,7 @@ def _w4_gemm_kernel(
     MUL_ROUTED_WEIGHT: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     ACT: tl.constexpr,
+    GATED: tl.constexpr,  # ACT takes a gate and an up row (Activation.is_gated)
     INTERLEAVED: tl.constexpr,
     OUT_QUANT: tl.constexpr,
     EXACT_CAST: tl.constexpr,
@@ -366,7 +367,6 @@ def _w4_gemm_kernel(
     )  # fmt: skip
     if idle:
         return
-    GATED: tl.constexpr = ACT == "silu" or ACT == "gelu" or ACT == "gelu_tanh" or ACT == "swigluoai"
     offs_n, n_ok, g_cols, u_cols = _w4_cols(pid_n, N, GATED, INTERLEAVED, BLOCK_N)
     HALF: tl.constexpr = PK // 2
     FMA: tl.constexpr = MODE == "fma" or MODE == "fma1"
@@ -451,6 +451,7 @@ def _w4_reduce_kernel(
     BATCHED: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
     ACT: tl.constexpr,
+    GATED: tl.constexpr,  # ACT takes a gate and an up row (Activation.is_gated)
     INTERLEAVED: tl.constexpr,
     OUT_QUANT: tl.constexpr,
     EXACT_CAST: tl.constexpr,
@@ -464,7 +465,6 @@ def _w4_reduce_kernel(
     )  # fmt: skip
     if idle:
         return
-    GATED: tl.constexpr = ACT == "silu" or ACT == "gelu" or ACT == "gelu_tanh" or ACT == "swigluoai"
     offs_n, n_ok, g_cols, u_cols = _w4_cols(tl.program_id(1), N, GATED, INTERLEAVED, BLOCK_N)
     mask = row_ok[:, None] & n_ok[None, :]
     p_rows = p_ptr + e * stride_pe + c_rows[:, None] * stride_pm

@@ -203,6 +203,7 @@ def grouped_gemm_launch(
         NATIVE=fmt.native,
         DOT_DTYPE=dot_dtype,
         ACT="none" if act is None else act.activation.value,
+        GATED=act is not None and act.activation.is_gated,
         INTERLEAVED=act is not None and act.gate_up_interleaved,
         OUT_QUANT=out_quant,
         EXACT_CAST=interpreting(),

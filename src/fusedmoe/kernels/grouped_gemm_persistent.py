@@ -351,6 +351,7 @@ def persistent_gemm_launch(
         NATIVE=fmt.native,
         DOT_DTYPE=_dot_dtype(fmt, a),
         ACT="none" if act is None else act.activation.value,
+        GATED=act is not None and act.activation.is_gated,
         INTERLEAVED=act is not None and act.gate_up_interleaved,
         OUT_QUANT=out_quant,
         OUT_GROUP=max(out_group, 1),

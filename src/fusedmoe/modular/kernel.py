@@ -8,6 +8,10 @@ stays bounded. A per-tensor dynamic a1 scale is computed once over the whole
 input and pinned for every chunk, so chunking does not change a1's
 quantization; a per-tensor dynamic a2 scale is taken per chunk.
 
+Identity experts (``MoEConfig.identity_experts``, ids E..E+Z-1) are taken out before the
+dispatch: their pairs go to expert 0 with weight 0 and w * x is added to the output, so no
+backend sees an id >= E (a zero-weight pair adds exactly 0 while its expert's output is finite).
+
 The weighted reduce happens where the experts say (``Experts.reduce``): inside
 them, or in the dispatcher's combine. The shared-experts hook runs after the
 experts and before combine, where a distributed dispatcher's communication
@@ -48,6 +52,8 @@ from ..weights import ExpertWeights
 from .ops import call_moe_forward, register_kernel
 
 DEFAULT_CHUNK_SIZE = 16384
+
+
 class MoEKernel:
     """Dispatcher x Experts (see the module docstring).
 
@@ -223,6 +229,15 @@ class MoEKernel:
         distributed = self.dispatcher.distributed
         if t == 0 and not distributed:
             return out
+        identity = None
+        if self.config.identity_experts:
+            expect(
+                not distributed and expert_map is None,
+                "MoEConfig.identity_experts",
+                "0 under expert parallelism (each rank would add the identity experts' share)",
+                self.config.identity_experts,
+            )
+            topk, identity = split_identity_experts(x, topk, self.config.num_experts)
         step = self.chunk_size or max(t, 1)
         n_chunks = -(-t // step)
         if distributed:
@@ -254,4 +269,15 @@ class MoEKernel:
                 self.dispatcher.combine(y, d, out[s:e], self.experts.reduce)
             if sh is not None:
                 out[s:e] += sh
+        if identity is not None:
+            out += identity
         return out
+
+
+def split_identity_experts(x: torch.Tensor, topk: TopK, num_experts: int) -> tuple[TopK, torch.Tensor]:
+    """(``topk`` with the identity experts' pairs sent to expert 0 with weight 0, their share
+    sum_k w * x [T, H] in x's dtype)."""
+    is_identity = topk.ids >= num_experts
+    share = (topk.weights.float() * is_identity).sum(dim=1, keepdim=True)
+    routed = TopK(topk.ids.masked_fill(is_identity, 0), topk.weights.masked_fill(is_identity, 0))
+    return routed, (x.float() * share).to(x.dtype)

@@ -371,7 +371,7 @@ def _check_expert_map(expert_map, device: torch.device, config: MoEConfig) -> No
 
 def _check_values(x, ids, w, expert_map, config: MoEConfig, num_local: int) -> None:
     """The data checks, reduced on the device and fetched with one synchronisation."""
-    e = config.num_experts
+    e = config.num_experts + config.identity_experts
     names = []
     flags = []
     if ids.shape[0] > 0:

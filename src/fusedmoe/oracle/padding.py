@@ -14,8 +14,8 @@ out[:, :H].
 Why the output is unchanged (tested exactly against the float64 reference):
 the new input columns of W13 meet zero columns of x; the new gate and up rows
 of W13 (and their biases) are zero, so their activation is act(0, 0) = 0 for
-every activation fusedmoe has (silu(0)*0, gelu(0)*0, (0+1)*0*sigmoid(0),
-silu(0), gelu(0), relu(0)^2); the new columns of W2 are zero anyway; the new
+every activation fusedmoe has (silu(0)*0, gelu(0)*0, (0+1)*0*sigmoid(0), the
+clamped and capped SiLU gates' 0, silu(0), gelu(0), relu(0), relu(0)^2); the new columns of W2 are zero anyway; the new
 output rows of W2 (and of b2) are zero and are cut off. Zeros never change an
 abs-max, so dynamic activation scales (tensor, token, group) stay the same.
 
