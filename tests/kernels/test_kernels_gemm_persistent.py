@@ -105,7 +105,7 @@ class Run:
 def _garbage(like: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     """What an unwritten padding slot may hold: NaN (floats; 0x7F is e4m3's NaN), any int8."""
     if like.dtype == torch.int8:
-        return torch.randint(-128, 128, like.shape, generator=gen, dtype=torch.int8)
+        return torch.randint(-128, 128, like.shape, generator=gen, dtype=torch.int8).to(like.device)
     return torch.full_like(like, float("nan"))
 
 

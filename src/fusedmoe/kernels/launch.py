@@ -123,8 +123,13 @@ _raw_stream = torch._C._cuda_getCurrentRawStream if torch.cuda.is_available() el
 
 
 def _hooked() -> bool:
-    """A launch hook (a profiler) is set: launches keep Triton's path, which calls it."""
-    return knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None
+    """A launch hook (a profiler) is set: launches keep Triton's path, which calls it. Triton 3.6
+    keeps its hooks in chains that always exist (``knobs.HookChain``): a hook is set when one
+    holds a call."""
+    for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return True
+    return False
 
 
 def clear_cache() -> None:

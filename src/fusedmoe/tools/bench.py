@@ -342,16 +342,17 @@ def _layer(impl, router, x, logits, bias):
 
 
 def _fused_moe_layer(config, scheme, weights, router):
-    """``(x, logits, bias) -> out`` through ``api.fused_moe`` (backend auto, the weights in the
-    layout of the backend it picks), or the reason it cannot run. fused_moe takes no correction
-    bias, so DeepSeek-V3's cells route without it there (the same grouped sigmoid top-k)."""
+    """``(x, logits, bias) -> out`` through ``api.fused_moe`` (backend auto) with the weights as a
+    user holds them (reference layout: fused_moe converts them once for its backend and keeps the
+    copy), or the reason it cannot run. fused_moe takes no correction bias, so DeepSeek-V3's cells
+    route without it there (the same grouped sigmoid top-k)."""
     from ..api import cached_kernel
 
     try:
-        prepared = cached_kernel(config, scheme).experts.prepare_weights(weights)
+        cached_kernel(config, scheme)
     except Exception as e:  # e.g. a backend that needs padded H and I: fused_moe refuses it
         return None, f"fused_moe(): {type(e).__name__}: {e}"[:300]
-    return partial(_call_fused_moe, prepared, config, scheme, router), None
+    return partial(_call_fused_moe, weights, config, scheme, router), None
 
 
 def _call_fused_moe(weights, config, scheme, router, x, logits, bias):
