@@ -276,6 +276,66 @@ def test_moe_sum(t, k, h, with_map):
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
 
 
+@needs_triton
+@pytest.mark.parametrize("a2", ["fp8_tensor", "int8_tensor", "fp8_token", "none"])
+def test_act_and_quantize_row_mask(a2):
+    """Masked-out rows hold garbage (inf, NaN) that a per-tensor scale must not see; the kernel
+    leaves their output rows as they were and computes the others as the reference of the rows kept."""
+    cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=64, intermediate_size=128)
+    g = torch.Generator().manual_seed(5)
+    m = 23
+    h = (torch.randn(m, cfg.w13_rows, generator=g) * 3).to(torch.bfloat16)
+    keep = torch.rand(m, generator=g) < 0.6
+    keep[0] = True
+    h[~keep] = float("inf")
+    h[~keep, 1] = float("nan")
+    tq = QUANTS.get(a2)
+    ref = act_and_quantize_ref(h[keep], cfg, tq)
+    h, keep = h.to(DEVICE), keep.to(DEVICE)
+    if tq is None:
+        out = poison_(torch.empty(m, 128, dtype=cfg.dtype, device=DEVICE))
+    else:
+        out = _poisoned_like(act_and_quantize_ref(torch.zeros_like(h), cfg, tq))
+    before = (out if tq is None else out.data).clone()
+    q = act_and_quantize(h, cfg, tq, out=out, row_mask=keep)
+    data = q if tq is None else q.data
+    assert torch.equal(data[~keep].view(torch.uint8), before[~keep].view(torch.uint8))  # rows skipped: untouched
+    if tq is None:
+        assert rel_error(data[keep].cpu(), ref) <= ACT_TOL["none"]
+        return
+    rows = QTensor(q.data[keep].cpu(), tuple(ref.shape), scale=q.scale if q.scale.numel() == 1 else q.scale[keep])
+    assert torch.isfinite(rows.scale.float()).all()
+    torch.testing.assert_close(rows.scale.float().cpu(), ref.scale.float(), rtol=1e-5, atol=0)
+    assert rel_error(dequantize(rows, tq).cpu(), dequantize(ref, tq)) <= ACT_TOL[tq.dtype.value.split("_")[0]]
+
+
+@needs_triton
+@pytest.mark.parametrize("t,k,h", [(1, 1, 64), (7, 3, 50), (20, 8, 200)])
+@pytest.mark.parametrize("with_map", [False, True])
+def test_moe_sum_gathers_weighted_rows(t, k, h, with_map):
+    """c as [P, H] rows in some order, ``rows`` [T, K] the row of each pair, router weights
+    applied: the same as moe_sum of the pairs laid out [T, K, H] and weighted by hand."""
+    g = torch.Generator().manual_seed(t * k)
+    p = t * k
+    perm = torch.randperm(p, generator=g)
+    c_pairs = torch.randn(t, k, h, generator=g)
+    w = torch.rand(t, k, generator=g)
+    ids = emap = e_l = None
+    if with_map:
+        ids = torch.rand(t, 8, generator=g).argsort(dim=1)[:, :k].int()
+        emap = torch.tensor([0, -1, 1, -1, 2, -1, 3, -1], dtype=torch.int32)
+        c_pairs[(emap[ids.long()] < 0)] = float("nan")  # rows of non-local pairs: never written
+        e_l = 4
+    c = torch.empty(p, h)
+    c[perm] = c_pairs.reshape(p, h)  # pair j lives at row perm[j]
+    rows = perm.view(t, k).int()
+    ref = moe_sum_ref(c_pairs * w.unsqueeze(-1), topk_ids=ids, expert_map=emap, num_local_experts=e_l)
+    dev = lambda x: None if x is None else x.to(DEVICE)  # noqa: E731
+    out = poison_(torch.empty(t, h, device=DEVICE))
+    moe_sum(dev(c), out, topk_ids=dev(ids), expert_map=dev(emap), num_local_experts=e_l, rows=dev(rows), weights=dev(w))
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-6, atol=1e-6)
+
+
 # ---- real shapes (GPU): the hardware's e4m3/bf16 conversions give the same bytes ----------
 
 

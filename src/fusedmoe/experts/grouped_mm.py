@@ -31,8 +31,9 @@ multiples of 16. ``why_not`` refuses other sizes.
 The sort needs no host synchronisation: offsets come from ``searchsorted`` on
 the sorted expert ids, and pairs that contribute nothing (ids outside [0, E), experts
 mapped outside [0, E_l): ``metadata.TopK``) sort past the last offset, where no group
-reads them; their rows (which the grouped GEMM leaves undefined) are zeroed before a
-per-tensor dynamic a2 scale sees them, and dropped (selected away) before the combine.
+reads them; their rows (which the grouped GEMM leaves undefined) are skipped by the
+activation kernel (``row_mask``: a per-tensor dynamic a2 scale never sees them) and by
+``moe_sum``, which gathers each pair's row back, weights it and sums in k order.
 
 Weight layout ``grouped_mm`` (``prepare_weights``): W13 and W2 as the B
 operands of x @ B, [E, H, 2I] and [E, I, H]: the transposed view of the
@@ -53,6 +54,7 @@ import torch.nn.functional as F
 from ..contract import TokenLayout, WeightedReduce
 from ..errors import expect
 from ..kernels.act_quant import act_and_quantize, act_and_quantize_ref
+from ..kernels.moe_sum import moe_sum
 from ..metadata import local_expert_ids
 from ..quant import QTensor
 from .base import Capabilities, Experts
@@ -173,23 +175,27 @@ class GroupedMMExperts(Experts):
         sorted_key, order = torch.sort(key, stable=True)
         offs = torch.searchsorted(sorted_key, torch.arange(e_l, device=key.device), right=True).to(torch.int32)
         tok = order // k
-        valid = (sorted_key < e_l).unsqueeze(1)
+        valid = sorted_key < e_l
         expert = sorted_key.clamp(max=e_l - 1)
 
         h = self._gemm(a, tok, w13, s13, offs)
         if weights.b13 is not None:
             h = h + weights.b13.to(h.dtype)[expert]
-        if sch.a2 is not None and sch.a2.dynamic and sch.a2.granularity.kind == "tensor":
-            h = h.masked_fill(~valid, 0)  # the one scale over all rows must not see undefined ones
-        act = act_and_quantize if h.is_cuda else act_and_quantize_ref
-        a2 = act(h, cfg, sch.a2, **weights.act_scales("a2", sch.a2))
+        if h.is_cuda:
+            # rows past the last group are neither read nor written: a per-tensor dynamic a2 scale
+            # never sees their undefined values (no masked copy of h)
+            a2 = act_and_quantize(h, cfg, sch.a2, row_mask=valid, **weights.act_scales("a2", sch.a2))
+        else:
+            h = h.masked_fill(~valid.unsqueeze(1), 0)
+            a2 = act_and_quantize_ref(h, cfg, sch.a2, **weights.act_scales("a2", sch.a2))
         a2 = a2 if isinstance(a2, QTensor) else QTensor(a2, tuple(a2.shape))
-        y = self._gemm(a2, None, w2, s2, offs).float()
+        y = self._gemm(a2, None, w2, s2, offs)
         if weights.b2 is not None:
-            y = y + weights.b2.float()[expert]
-        if not cfg.apply_router_weight_on_input:
-            y = y * topk.weights.reshape(-1)[order].float().unsqueeze(1)
-        y = torch.where(valid, y, 0.0)  # select, never multiply: undefined rows may hold NaN
-        acc = torch.zeros(t, cfg.hidden_size, dtype=torch.float32, device=y.device)
-        acc.index_add_(0, tok, y)
-        out.copy_(acc)
+            y = y.float() + weights.b2.float()[expert]
+        # back to pairs: the row of pair (t, k) in the sorted order, gathered, weighted and summed
+        # by one moe_sum launch (pairs that contribute nothing are skipped there)
+        rows = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        route_w = None if cfg.apply_router_weight_on_input else topk.weights
+        moe_sum(
+            y, out, topk_ids=topk.ids, expert_map=expert_map, num_local_experts=e_l, rows=rows.view(t, k), weights=route_w
+        )

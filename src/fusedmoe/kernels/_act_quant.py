@@ -96,6 +96,7 @@ def _act_quant_kernel(
     s_ptr,  # scales: [1] tensor, [M, 1] token, [M, G] group (fp32, e8m0 or e4m3 bytes)
     gs_ptr,  # nvfp4 global scale [1]
     amax_ptr,  # [1] fp32, zeroed: the running amax of per-tensor dynamic scales
+    rmask_ptr,  # [M] uint8 (ROW_MASK): rows to compute; the others are neither read nor written
     M,
     I,
     stride_xm,
@@ -108,6 +109,7 @@ def _act_quant_kernel(
     QUANT: tl.constexpr,  # "none" | "fp8" | "int8" | "mxfp8" | "nvfp4"
     SCALE: tl.constexpr,  # "none" | "tensor_static" | "tensor_dyn" | "token" | "group"
     GROUP: tl.constexpr,
+    ROW_MASK: tl.constexpr,
     PASS: tl.constexpr,
     EXACT_CAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -117,6 +119,8 @@ def _act_quant_kernel(
     pid_k = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
+    if ROW_MASK:
+        row_ok = row_ok & (tl.load(rmask_ptr + rows, mask=row_ok, other=0) != 0)
     q_row = q_ptr + rows[:, None].to(tl.int64) * stride_qm
     s_row = s_ptr + rows.to(tl.int64) * stride_sm
 

@@ -78,11 +78,15 @@ def act_quant_launch(
     global_scale: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     out: QTensor | torch.Tensor | None = None,
+    row_mask: torch.Tensor | None = None,
 ) -> QTensor | torch.Tensor:
     """Launch ``_act_quant_kernel`` (twice for per-tensor dynamic scales).
 
     ``activation`` is an ``Activation`` value or "none" (plain quantization of ``x``).
     ``out``: buffers to write (what this function returns; allocated when None).
+    ``row_mask``: bool [M], the rows to compute; the others are neither read nor written
+    (their output rows keep whatever they held) and a per-tensor dynamic scale covers only
+    the rows computed.
     """
     expect(x.dim() == 2, "x", "a [M, K] tensor", tuple(x.shape))
     expect(x.dtype in _NATIVE_DTYPES, "x", f"one of {_NATIVE_DTYPES}", x.dtype)
@@ -91,6 +95,8 @@ def act_quant_launch(
     m, cols = x.shape[0], x.shape[1] // 2 if gated else x.shape[1]
     if gated:
         expect(x.shape[1] % 2 == 0, "x", "an even number of columns [M, 2I] for a gated activation", x.shape)
+    if row_mask is not None:
+        expect(tuple(row_mask.shape) == (m,) and row_mask.dtype == torch.bool, "row_mask", f"bool [{m}]", row_mask)
     quant, kind, group = _kind(tq, scale)
     dev = x.device
     data_dtype = {"none": out_dtype or x.dtype, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
@@ -132,6 +138,7 @@ def act_quant_launch(
             s_arg,
             data if gscale is None else gscale,
             amax,
+            data if row_mask is None else row_mask.view(torch.uint8),
             m,
             cols,
             x.stride(0),
@@ -146,6 +153,7 @@ def act_quant_launch(
             QUANT=quant,
             SCALE=kind,
             GROUP=group,
+            ROW_MASK=row_mask is not None,
             EXACT_CAST=interpreting(),
             BLOCK_M=bm,
             BLOCK_K=bk,
@@ -225,14 +233,17 @@ def act_and_quantize(
     scale: torch.Tensor | None = None,
     global_scale: torch.Tensor | None = None,
     out: QTensor | torch.Tensor | None = None,
+    row_mask: torch.Tensor | None = None,
 ) -> QTensor | torch.Tensor:
     """``config.activation`` of GEMM1's output ``h`` [M, 2I] (or [M, I] for *_no_mul), then
     quantized as ``tq`` (the scheme's a2) says; with ``tq`` None, [M, I] in ``config.dtype``.
 
     The activation runs in fp32 and is quantized without an intermediate rounding to
-    the model dtype.
+    the model dtype. ``row_mask`` (bool [M]): only these rows are computed (``act_quant_launch``).
     """
     if not _use_kernel(h):
+        if row_mask is not None:  # zeros leave a per-tensor abs-max as the kernel's skipped rows do
+            h = h.masked_fill(~row_mask.unsqueeze(1), 0)
         return _fill(out, act_and_quantize_ref(h, config, tq, scale=scale, global_scale=global_scale))
     return act_quant_launch(
         h,
@@ -245,6 +256,7 @@ def act_and_quantize(
         global_scale=global_scale,
         out_dtype=config.dtype,
         out=out,
+        row_mask=row_mask,
     )
 
 

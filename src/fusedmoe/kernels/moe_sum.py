@@ -11,6 +11,13 @@ its buffer, whatever the ids hold.
 A split-K GEMM2 (``grouped_gemm_w4``, ``LaunchConfig.split_k`` = S) writes S fp32 partial
 rows per pair instead, c [S, T, K, H]; the same launch then sums over k and s (k outer,
 s inner, fp32), so split-K costs no launch of its own and stays deterministic.
+
+A backend whose GEMMs leave the pairs sorted by expert (``grouped_mm``) hands ``c`` as
+[P, H] rows with ``rows`` [T, K], the row of each pair, and the router ``weights`` [T, K]:
+the same launch gathers, weights and sums. That replaces an fp32 copy of the rows, a
+multiply, a select, a zero-filled accumulator, an atomic ``index_add_`` and a copy (six
+passes over up to T*K x H values; on Mixtral at T = 4096, 0.9 GB of traffic, ~0.3 ms on
+an H100) by one read of the rows, and the sum keeps its fixed k order.
 """
 
 from __future__ import annotations
@@ -31,8 +38,11 @@ def _moe_sum_kernel(
     out_ptr,
     ids_ptr,
     map_ptr,
+    rows_ptr,  # [T, K] row of c per pair (HAS_ROWS)
+    w_ptr,  # [T, K] router weights (HAS_W)
     T,
     H,
+    P,  # rows of c (HAS_ROWS)
     E_G,  # ids in [0, E_G) are experts: the expert map's length, or E_L without a map
     E_L,
     stride_cs,
@@ -45,6 +55,8 @@ def _moe_sum_kernel(
     SPLITS: tl.constexpr,
     HAS_IDS: tl.constexpr,
     HAS_MAP: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
+    HAS_W: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
@@ -55,17 +67,29 @@ def _moe_sum_kernel(
     r64 = rows.to(tl.int64)
     acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
     for k in tl.static_range(K):
-        ok = mask
+        pair_ok = row_ok
         if HAS_IDS:
             e = tl.load(ids_ptr + r64 * K + k, mask=row_ok, other=-1).to(tl.int64)
-            pair_ok = (e >= 0) & (e < E_G)
+            pair_ok = pair_ok & (e >= 0) & (e < E_G)
             if HAS_MAP:
-                local = tl.load(map_ptr + e, mask=row_ok & pair_ok, other=-1)
+                local = tl.load(map_ptr + e, mask=pair_ok, other=-1)
                 pair_ok = pair_ok & (local >= 0) & (local < E_L)
-            ok = ok & pair_ok[:, None]
-        ptrs = c_ptr + r64[:, None] * stride_ct + k * stride_ck + cols[None, :] * stride_ch
-        for s in tl.static_range(SPLITS):
-            acc += tl.load(ptrs + s * stride_cs, mask=ok, other=0.0).to(tl.float32)
+        ok = mask & pair_ok[:, None]
+        if HAS_ROWS:  # c is [P, H]: the pair's row, read only where the pair counts
+            src = tl.load(rows_ptr + r64 * K + k, mask=pair_ok, other=0).to(tl.int64)
+            ok = ok & ((src >= 0) & (src < P))[:, None]  # a row index past c is never read
+            ptrs = c_ptr + src[:, None] * stride_ct + cols[None, :] * stride_ch
+        else:
+            ptrs = c_ptr + r64[:, None] * stride_ct + k * stride_ck + cols[None, :] * stride_ch
+        if HAS_W:
+            wk = tl.load(w_ptr + r64 * K + k, mask=pair_ok, other=0.0).to(tl.float32)
+            part = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+            for s in tl.static_range(SPLITS):
+                part += tl.load(ptrs + s * stride_cs, mask=ok, other=0.0).to(tl.float32)
+            acc += part * wk[:, None]  # masked loads gave 0 (and w 0) where the pair does not count
+        else:
+            for s in tl.static_range(SPLITS):
+                acc += tl.load(ptrs + s * stride_cs, mask=ok, other=0.0).to(tl.float32)
     o_ptrs = out_ptr + r64[:, None] * stride_ot + cols[None, :] * stride_oh
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -76,9 +100,16 @@ def moe_sum_launch(
     topk_ids: torch.Tensor | None = None,
     expert_map: torch.Tensor | None = None,
     num_local_experts: int = 0,
+    rows: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    c4 = c if c.dim() == 4 else c.unsqueeze(0)
-    splits, t, k, h = c4.shape
+    if rows is not None:  # c [P, H]: strides as [1, P, 1, H] (the k stride is unused)
+        t, k = rows.shape
+        c4 = c.unsqueeze(0).unsqueeze(2)
+        splits, h = 1, c.shape[-1]
+    else:
+        c4 = c if c.dim() == 4 else c.unsqueeze(0)
+        splits, t, k, h = c4.shape
     if t == 0 or h == 0:
         return out
     has_ids, has_map = topk_ids is not None, expert_map is not None
@@ -93,8 +124,11 @@ def moe_sum_launch(
         out,
         ids,
         expert_map.contiguous() if has_map else c,
+        c if rows is None else rows.contiguous(),
+        c if weights is None else weights.contiguous(),
         t,
         h,
+        c.shape[0] if rows is not None else 0,
         expert_map.shape[0] if has_map else num_local_experts,
         num_local_experts,
         *c4.stride(),
@@ -103,6 +137,8 @@ def moe_sum_launch(
         SPLITS=splits,
         HAS_IDS=has_ids,
         HAS_MAP=has_map,
+        HAS_ROWS=rows is not None,
+        HAS_W=weights is not None,
         BLOCK_T=bt,
         BLOCK_H=bh,
         num_warps=4,
@@ -117,13 +153,24 @@ def moe_sum(
     topk_ids: torch.Tensor | None = None,
     expert_map: torch.Tensor | None = None,
     num_local_experts: int | None = None,
+    rows: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out [T, H] = sum over k of c [T, K, H] (fp32 accumulation, output in ``out``'s or
     c's dtype), or over k and s of split-K partials c [S, T, K, H]. With ``topk_ids`` [T, K]
     (and ``num_local_experts`` E_l, and optionally ``expert_map`` [E]), pairs that contribute
-    nothing (see the module docstring) are skipped."""
-    expect(c.dim() in (3, 4), "c", "a [T, K, H] tensor or [S, T, K, H] split-K partials", tuple(c.shape))
-    t, k, h = c.shape[-3:]
+    nothing (see the module docstring) are skipped. With ``rows`` [T, K] (integers), c is
+    [P, H] and pair (t, k) is row ``rows[t, k]`` of it; with ``weights`` [T, K], each pair is
+    multiplied by its weight (fp32) before the sum."""
+    if rows is not None:
+        expect(rows.dim() == 2 and not rows.is_floating_point(), "rows", "[T, K] integer row indices", rows)
+        expect(c.dim() == 2, "c", "[P, H] rows when rows is given", tuple(c.shape))
+        t, k, h = rows.shape[0], rows.shape[1], c.shape[1]
+    else:
+        expect(c.dim() in (3, 4), "c", "a [T, K, H] tensor or [S, T, K, H] split-K partials", tuple(c.shape))
+        t, k, h = c.shape[-3:]
+    if weights is not None:
+        expect(tuple(weights.shape) == (t, k), "weights", f"shape {(t, k)}", tuple(weights.shape))
     if expert_map is not None:
         expect(topk_ids is not None, "topk_ids", f"[{t}, {k}] ids with expert_map")
     if topk_ids is not None:
@@ -138,9 +185,11 @@ def moe_sum(
         out = torch.empty(t, h, dtype=c.dtype, device=c.device)
     expect(tuple(out.shape) == (t, h), "out", f"shape {(t, h)}", tuple(out.shape))
     if c.device.type == "cpu" and not interpreting():
-        ref = moe_sum_ref(c, topk_ids=topk_ids, expert_map=expert_map, num_local_experts=num_local_experts)
+        ref = moe_sum_ref(
+            c, topk_ids=topk_ids, expert_map=expert_map, num_local_experts=num_local_experts, rows=rows, weights=weights
+        )
         return out.copy_(ref)
-    return moe_sum_launch(c, out, topk_ids, expert_map, num_local_experts or 0)
+    return moe_sum_launch(c, out, topk_ids, expert_map, num_local_experts or 0, rows, weights)
 
 
 def moe_sum_ref(
@@ -149,12 +198,21 @@ def moe_sum_ref(
     topk_ids: torch.Tensor | None = None,
     expert_map: torch.Tensor | None = None,
     num_local_experts: int | None = None,
+    rows: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """``moe_sum`` in PyTorch, in ``dtype``."""
+    if rows is not None:  # gathered where the pair counts (other indices may point anywhere)
+        ok = torch.ones_like(rows, dtype=torch.bool)
+        if topk_ids is not None:
+            ok = local_expert_ids(topk_ids, expert_map, num_local_experts) >= 0
+        c = c[torch.where(ok, rows, 0).long()]
     x = c.to(dtype)
     if x.dim() == 4:  # split-K partials [S, T, K, H]
         x = x.sum(dim=0)
+    if weights is not None:
+        x = x * weights.to(dtype).unsqueeze(-1)
     if topk_ids is not None:
         local = local_expert_ids(topk_ids, expert_map, num_local_experts)
         x = torch.where((local >= 0).unsqueeze(-1), x, torch.zeros((), dtype=dtype, device=c.device))
