@@ -4,6 +4,8 @@ Per (preset, scheme, T) cell, in one run on one GPU:
 
 - providers:
   ``fusedmoe``            the oracle's backend through MoEKernel;
+  ``triton``              our ``triton`` experts backend, whatever the shape rule picks (the
+                          other side of the triton/grouped_mm crossover, measured together);
   ``grouped_mm``          our ``grouped_mm`` experts backend (where it serves the scheme);
   ``torch_grouped_mm``    PyTorch only: ``torch._grouped_mm`` (bf16) or ``_scaled_grouped_mm``
                           row-wise (fp8: per-token activations x per-channel weights, the same
@@ -75,6 +77,7 @@ DEFAULT_TOKENS = (1, 16, 64, 256, 1024, 4096, 16384)
 HOST_CALLS, WALL_CALLS, EAGER_WARMUP = 100, 25, 3
 DEFAULT_SCHEMES = ("bf16", "fp8_tensor", "fp8_block")
 PROVIDERS = ("fusedmoe", "grouped_mm", "torch_grouped_mm", "loop")
+KNOWN_PROVIDERS = (*PROVIDERS, "triton")  # triton on request: it doubles the prefill cells' time
 
 
 def measure_ceilings(device: str = "cuda") -> dict:
@@ -322,8 +325,8 @@ def _implementations(config, scheme, weights, providers, max_tokens):
         try:
             if name == "fusedmoe":
                 out[name] = (kernel("auto", max_tokens), True, max_tokens)
-            elif name == "grouped_mm":
-                out[name] = (kernel("grouped_mm", max_tokens), True, max_tokens)
+            elif name in ("triton", "grouped_mm"):
+                out[name] = (kernel(name, max_tokens), True, max_tokens)
             elif name == "torch_grouped_mm":
                 out[name] = (TorchGroupedMM(config, scheme, weights), True, max_tokens)
             elif name == "loop":
@@ -499,6 +502,9 @@ def run_bench(
 ) -> list[Row]:
     """Time every provider at every (preset, scheme, T) cell; results under ``out_dir`` after
     each (preset, scheme). ``peers``: recorded peer times to put beside our ``fusedmoe`` cells."""
+    unknown = [p for p in providers if p not in KNOWN_PROVIDERS]
+    if unknown:
+        raise ValueError(f"providers: unknown {unknown}; expected a subset of {list(KNOWN_PROVIDERS)}")
     ceil = measure_ceilings()
     print(
         f"ceilings: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 {ceil['bf16_flop_per_s'] / 1e12:.0f} "
