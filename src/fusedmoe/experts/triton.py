@@ -8,18 +8,22 @@ Standard layout, per call (T tokens, K top-k, E_l local experts)::
     grouped_gemm #2    y = a2 @ W2[e]^T (+ b2) * w[t,k]    [T*K, H]           (1 launch)
     moe_sum            out[t] = sum_k y[t, k]              [T, H]             (1 launch)
 
-Fused activation (the default wherever a2's scale is known before its values: a2 not
-quantized, or static per-tensor fp8/int8): GEMM1 applies the activation (and Q_a2) in
-its epilogue and writes a2 [T*K, I] directly (``grouped_gemm(act=ActEpilogue)``), so h
-never exists: one launch fewer (two with an expert map or the batched layout, whose h
-is zero-filled first), and no write + read of h (T*K x 2I in the model dtype; batched:
-E_l*M x 2I). Dynamic a2 scales (per token, group, MX/NV blocks, per-tensor dynamic)
-need the whole row or tensor first and keep act_and_quantize.
+Fused activation (the default): GEMM1 applies the activation in its epilogue
+(``grouped_gemm(act=ActEpilogue)``), so the [T*K, 2I] h never exists. Where a2's scale is
+known before its values (a2 not quantized, or static per-tensor fp8/int8) the epilogue also
+quantizes and writes a2 [T*K, I] directly: one launch fewer (two with an expert map or the
+batched layout, whose h is zero-filled first). Dynamic a2 scales (per token, group, MX/NV
+blocks, per-tensor dynamic) need the whole row or tensor first: GEMM1 writes act(h) [T*K, I]
+in the model dtype and ``quantize_activations`` follows, which moves half the bytes of
+quantizing h [T*K, 2I] (Mixtral fp8 per-tensor at T = 4096: 470 MB of h written and read
+twice became 235 MB; the activation is rounded to the model dtype once before Q_a2, as a
+separate activation kernel would).
 ``FUSEDMOE_FUSE_ACT=0`` (read when the experts are built) or ``experts.fuse_act = False``
 turns the fusion off, for comparison. The fused GEMM1 takes the plain GEMM1's launch
 config with BN halved (``gated_act_config``), so a program reads the same W13 rows.
 
-Workspace (``workspace``, declared from the shapes): h [T*K, 2I] (unfused only) and y
+Workspace (``workspace``, declared from the shapes): h [T*K, 2I] (unfused), h_act [T*K, I] (fused
+with a dynamic a2: act(h) before Q_a2) and y
 [T*K, H] in the model dtype, a2 [T*K, I] quantized as scheme.a2 (plus its row scales);
 ``MoEKernel`` chunking bounds T. Given a workspace (``MoEKernel.allocate``), ``apply``
 writes into it and allocates none of these. Batched layout: the same two GEMMs over
@@ -29,9 +33,10 @@ weights and scatters); its workspace is h (unfused only) and a2 for E_l * M rows
 Rows that no local pair writes (pairs that contribute nothing: ids outside [0, E), experts
 mapped outside [0, E_l), see ``metadata.TopK``; batched rows past the counts) are never
 read as outputs: GEMM2 reads the rows of local pairs only and ``moe_sum`` skips the
-others. Unfused, they are zero-filled before the activation where a per-tensor dynamic
-a2 scale (an abs-max over every row) would see them (batched: always), so it never
-sees uninitialised memory (zeros leave an abs-max unchanged); with a reused workspace
+others. Where a per-tensor dynamic a2 scale (an abs-max over every row) would see them,
+they are zero-filled before GEMM1 (small h and the batched layout) or left out by a row
+mask of the local pairs (``_MASK_OVER_FILL_BYTES``), so it never sees uninitialised
+memory (zeros leave an abs-max unchanged); with a reused workspace
 such rows hold the previous call's values. Other a2 scales are per row: a stale row
 only makes its own, unread, output.
 
@@ -55,13 +60,14 @@ per-tensor dynamic scale) and no split-K (the w4 configs of this mode never spli
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 
 from .. import env
 from ..contract import TokenLayout, WeightedReduce, Workspace, quantized_layout, take
 from ..kernels._common import interpreting
-from ..kernels.act_quant import act_and_quantize
+from ..kernels.act_quant import act_and_quantize, quantize_activations
 from ..kernels.align import moe_align
 from ..kernels.gemm_format import ActEpilogue, GemmFormat, scheme_key
 from ..kernels.grouped_gemm import grouped_gemm, grouped_gemm_batched
@@ -84,6 +90,32 @@ def _needs_native_fp8(scheme) -> bool:
 
 def _tensor_dynamic(tq) -> bool:
     return tq is not None and tq.dynamic and tq.granularity.kind == "tensor"
+
+
+# h's size from which a row mask beats zero-filling it (~20 us of fill at ~2.5 TB/s on an H100)
+_MASK_OVER_FILL_BYTES = 48 << 20
+
+
+def _local_pairs(ids: torch.Tensor, num_local_experts: int, expert_map: torch.Tensor | None) -> torch.Tensor:
+    """bool [T*K]: the pairs whose expert runs here, the rows of h that GEMM1 writes."""
+    ids = ids.reshape(-1)
+    if expert_map is None:
+        return (ids >= 0) & (ids < num_local_experts)
+    n = expert_map.shape[0]
+    return (ids >= 0) & (ids < n) & (expert_map[ids.clamp(0, n - 1).long()] >= 0)
+
+
+def _unwritten_rows(h: torch.Tensor, tq, local_pairs) -> torch.Tensor | None:
+    """Keep the rows of ``h`` that GEMM1 will not write out of a per-tensor dynamic scale: zero
+    them now, or return the row mask (``local_pairs()``, standard layout) where the fill costs
+    more than the mask's few [T*K] launches (~8 us): the fill of Mixtral's [T*K, 2I] h at
+    T = 4096 took 141 us on an H100 (470 MB). None: nothing to mask."""
+    if not _tensor_dynamic(tq):
+        return None
+    if local_pairs is not None and h.numel() * h.element_size() >= _MASK_OVER_FILL_BYTES:
+        return local_pairs()
+    h.zero_()
+    return None
 
 
 def _a2_out(ws, tq, rows: int, cols: int, device) -> QTensor | torch.Tensor | None:
@@ -128,7 +160,8 @@ class _TritonBase(Experts):
         super().__init__(config, scheme)
         self.deterministic = env.deterministic()
         self.fuse_act = env.fuse_act()
-        self._epilogue = ActEpilogue.of(config, scheme.a2) if ActEpilogue.supports(scheme.a2) else None
+        # the epilogue quantizes a2 where its scale is known up front; else quantize_activations follows
+        self._epilogue = ActEpilogue.of(config, scheme.a2 if ActEpilogue.supports(scheme.a2) else None)
         self._plans: dict[tuple, _Plan] = {}
         # 4-bit weights the w4 kernel runs (converted by prepare_weights); None: why not
         why = w4_supports(scheme.w1, scheme.a1, config.dtype) or w4_supports(scheme.w2, scheme.a2, config.dtype)
@@ -183,19 +216,33 @@ class _TritonBase(Experts):
     def _launch_config(self, rows: int, e_l: int, n: int, k: int, w_quant, a_quant):
         return pick_launch_config(rows, e_l, n, k, scheme_key(w_quant, a_quant), deterministic=self.deterministic)
 
-    def _gemm1_act(self, a, weights, ep: ActEpilogue, rows: int, workspace, gemm, **kw) -> QTensor:
-        """a2 [rows, I] straight from GEMM1 (``gemm`` is the standard or batched op)."""
+    def _gemm1_act(self, a, weights, ep: ActEpilogue, rows: int, workspace, gemm, local_pairs=None, **kw) -> QTensor:
+        """a2 [rows, I] from GEMM1 with the activation in its epilogue (``gemm`` is the standard or
+        batched op): quantized there, or by ``quantize_activations`` after it for a dynamic a2.
+        ``local_pairs``: the standard layout's row mask of the pairs GEMM1 writes (``_unwritten_rows``)."""
         cfg, sch = self.config, self.scheme
-        i = cfg.intermediate_size
+        i, dev = cfg.intermediate_size, a.data.device
+        a2_after = sch.a2 is not None and ep.quant is None  # a dynamic scale: quantized after GEMM1
         scale = weights.act_scales("a2", sch.a2).get("scale") if ep.quant is not None else None
-        data = take(workspace, "a2", (rows, i), ep.out_dtype(cfg.dtype), a.data.device)
+        if a2_after:
+            data = take(workspace, "h_act", (rows, i), cfg.dtype, dev)
+            row_mask = _unwritten_rows(data, sch.a2, local_pairs)
+        else:
+            data = take(workspace, "a2", (rows, i), ep.out_dtype(cfg.dtype), dev)
         out = data if a.data.dim() == 2 else data.view(*a.data.shape[:2], i)  # batched: [E_l, M, I]
         gemm(Operand(a, sch.a1), Operand(weights.w13, sch.w1), bias=weights.b13, out=out, act=ep, act_scale=scale, **kw)
+        if a2_after:
+            a2_out = _a2_out(workspace, sch.a2, rows, i, dev)
+            return quantize_activations(data, sch.a2, out=a2_out, row_mask=row_mask, **weights.act_scales("a2", sch.a2))
         return QTensor(data, (rows, i), scale=None if scale is None else scale.reshape(1, 1).float())
 
     def _workspace(self, rows: int) -> Workspace:
-        c = self.config
-        shapes = {} if self.act_epilogue() is not None else {"h": ((rows, c.w13_rows), c.dtype)}
+        c, ep = self.config, self.act_epilogue()
+        shapes = {}
+        if ep is None:
+            shapes["h"] = ((rows, c.w13_rows), c.dtype)
+        elif self.scheme.a2 is not None and ep.quant is None:  # act(h), quantized after GEMM1
+            shapes["h_act"] = ((rows, c.intermediate_size), c.dtype)
         shapes.update(quantized_layout("a2", self.scheme.a2, rows, c.intermediate_size, c.dtype))
         return Workspace(shapes)
 
@@ -233,17 +280,18 @@ class TritonExperts(_TritonBase):
         ids = int32_ids(topk.ids, e_l if expert_map is None else expert_map.shape[0])
         routing = moe_align(ids, e_l, plan.lc1.block_m, expert_map)
         ep = self.act_epilogue()
+        local_pairs = partial(_local_pairs, ids, e_l, expert_map)
         if ep is not None:
             kw = dict(routing=routing, a_div=k, config=plan.lc1)
-            a2 = self._gemm1_act(a, weights, ep, pairs, workspace, grouped_gemm, **kw)
+            a2 = self._gemm1_act(a, weights, ep, pairs, workspace, grouped_gemm, local_pairs, **kw)
         else:
             h = take(workspace, "h", (pairs, cfg.w13_rows), cfg.dtype, dev)
-            if _tensor_dynamic(sch.a2):
-                h.zero_()
+            row_mask = _unwritten_rows(h, sch.a2, local_pairs)
             w13 = Operand(weights.w13, sch.w1)
             grouped_gemm(Operand(a, sch.a1), w13, routing, bias=weights.b13, a_div=k, out=h, config=plan.lc1)
             a2_out = _a2_out(workspace, sch.a2, pairs, cfg.intermediate_size, dev)
-            a2 = act_and_quantize(h, cfg, sch.a2, out=a2_out, **weights.act_scales("a2", sch.a2))
+            act_scales = weights.act_scales("a2", sch.a2)
+            a2 = act_and_quantize(h, cfg, sch.a2, out=a2_out, row_mask=row_mask, **act_scales)
             a2 = a2 if isinstance(a2, QTensor) else QTensor(a2, tuple(a2.shape))
         if not plan.same_blocks:  # the w4 kernel's prefill: GEMM2 takes a larger BM than GEMM1
             routing = moe_align(ids, e_l, plan.lc2.block_m, expert_map)

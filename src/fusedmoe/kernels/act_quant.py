@@ -197,16 +197,26 @@ def quantize_activations(
     scale: torch.Tensor | None = None,
     global_scale: torch.Tensor | None = None,
     out: QTensor | None = None,
+    row_mask: torch.Tensor | None = None,
 ) -> QTensor:
     """Quantize rows ``x`` [M, K] as ``tq`` says (dynamic scales computed on the device).
 
     ``scale``: the static per-tensor scale when ``tq`` is not dynamic; ``global_scale``:
-    the NVFP4 global scale (required for nvfp4); ``out``: buffers to fill. On the CPU
+    the NVFP4 global scale (required for nvfp4); ``out``: buffers to fill; ``row_mask``
+    (bool [M]): only these rows are read and written (``act_quant_launch``). On the CPU
     without the interpreter this is ``quantize_activations_ref``.
     """
     if not _use_kernel(x):
-        return _fill(out, quantize_activations_ref(x, tq, scale=scale, global_scale=global_scale))
-    return act_quant_launch(x, tq, scale=scale, global_scale=global_scale, out=out)
+        return _fill(
+            out, quantize_activations_ref(_zero_masked(x, row_mask), tq, scale=scale, global_scale=global_scale)
+        )
+    return act_quant_launch(x, tq, scale=scale, global_scale=global_scale, out=out, row_mask=row_mask)
+
+
+def _zero_masked(x: torch.Tensor, row_mask: torch.Tensor | None) -> torch.Tensor:
+    """The reference's stand-in for a row mask: zeros leave a per-tensor abs-max as the kernel's
+    skipped rows do (the masked rows of the result are not to be read)."""
+    return x if row_mask is None else x.masked_fill(~row_mask.unsqueeze(1), 0)
 
 
 def quantize_activations_ref(
@@ -242,9 +252,9 @@ def act_and_quantize(
     the model dtype. ``row_mask`` (bool [M]): only these rows are computed (``act_quant_launch``).
     """
     if not _use_kernel(h):
-        if row_mask is not None:  # zeros leave a per-tensor abs-max as the kernel's skipped rows do
-            h = h.masked_fill(~row_mask.unsqueeze(1), 0)
-        return _fill(out, act_and_quantize_ref(h, config, tq, scale=scale, global_scale=global_scale))
+        return _fill(
+            out, act_and_quantize_ref(_zero_masked(h, row_mask), config, tq, scale=scale, global_scale=global_scale)
+        )
     return act_quant_launch(
         h,
         tq,

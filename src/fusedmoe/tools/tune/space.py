@@ -115,5 +115,11 @@ def by_distance(cfgs: list[LaunchConfig], ref: LaunchConfig) -> list[LaunchConfi
 
 
 def fmt_config(c: LaunchConfig) -> str:
-    """'BM,BN,BK,GROUP_M,warps,stages', as the logs and the summary print a config."""
-    return ",".join(str(v) for v in asdict(c).values())
+    """'BM,BN,BK,GROUP_M,warps,stages' then the knobs that differ from their default as name=value
+    (``"128,256,64,8,8,3,persistent=1"``): what ``LaunchConfig.parse`` and FUSEDMOE_LAUNCH_CONFIG read."""
+    vals = asdict(c)
+    names = list(vals)
+    head = [str(vals[n]) for n in names[:6]]
+    default = LaunchConfig()
+    tail = [f"{n}={int(vals[n])}" for n in names[6:] if vals[n] != getattr(default, n)]
+    return ",".join(head + tail)
