@@ -11,10 +11,10 @@ from fusedmoe.config import MoEConfig, ParallelConfig
 from fusedmoe.dispatch.local import LocalDispatcher
 from fusedmoe.experts import triton as triton_experts
 from fusedmoe.experts.triton import TritonExperts
+from fusedmoe.kernels._common import interpreting
 from fusedmoe.metadata import TopK
 from fusedmoe.quant import QuantScheme
 from fusedmoe.testing import make_problem, poison_, rel_error, tolerance
-from fusedmoe.kernels._common import interpreting
 
 pytestmark = pytest.mark.skipif(
     not (interpreting() or torch.cuda.is_available()), reason="needs TRITON_INTERPRET=1 or a CUDA GPU"
