@@ -49,19 +49,29 @@ def test_refusals_name_the_part(rule):
     why = TritonOrGroupedMMExperts.why_not(MoEConfig(4, 2, 256, 256), fp8_block, SM90)
     assert why == "quantization scheme fp8_block not supported"
     why = TritonOrGroupedMMExperts.why_not(MoEConfig(4, 2, 64, 16), QuantScheme.unquantized(), SM90)
-    assert why.startswith("no measured triton/grouped_mm crossover for sm90 unquantized at I=16")
+    assert why.startswith("no triton/grouped_mm crossover for sm90 unquantized at I=16 (I=16 < 32 on sm90")
     assert "platform cpu" in TritonOrGroupedMMExperts.why_not(
         CONFIG, QuantScheme.unquantized(), Platform.simulated("cpu")
     )
 
 
+def test_shipped_sm90_rule_keeps_triton_first():
+    """Measured on an H100 with the persistent kernel: triton first at every size (thresholds.py)."""
+    wide = MoEConfig(8, 2, 4096, 14336)
+    why = TritonOrGroupedMMExperts.why_not(wide, QuantScheme.unquantized(), SM90)
+    assert "triton was faster at every size measured on sm90 unquantized, up to 4096 tokens" in why
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("sname", ["bf16", "fp8_tensor"])
-def test_measured_rule_on_gpu(sname):
-    """The shipped sm90 rule at a wide-expert shape: decode on triton, prefill on grouped_mm,
-    both within the scheme's tolerance."""
+def test_rule_on_gpu(monkeypatch, sname):
+    """A crossover at a wide-expert shape: decode on triton, prefill on grouped_mm, both within
+    the scheme's tolerance (the shipped sm90 rows keep triton first: a rule is set here)."""
     from fusedmoe.platform import current_platform
 
+    for family in ("unquantized", "fp8"):
+        rule = thresholds.Crossover(tokens_per_expert=64, min_intermediate_size=8192)
+        monkeypatch.setitem(thresholds.GROUPED_MM_CROSSOVER, ("sm90", family), rule)
     cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=1024, intermediate_size=8192)
     scheme = QuantScheme.by_name(sname)
     ex = TritonOrGroupedMMExperts(cfg, scheme, platform=current_platform())

@@ -36,10 +36,8 @@ SCHEMES = {
     "mxfp4": QuantScheme.mxfp4_w4a16(),
     "fp8_static": QuantScheme.fp8_per_tensor(static_activations=True),
     "int8_w8a16": QuantScheme.int8_w8a16(),
-    # dynamic a2: the epilogue applies the activation, quantize_activations follows
+    # per-tensor dynamic a2: the epilogue applies the activation, quantize_activations follows
     "fp8_tensor": QuantScheme.fp8_per_tensor(),
-    "fp8_block": QuantScheme.fp8_block(),
-    "nvfp4": QuantScheme.nvfp4(),
 }
 ACTS = list(Activation)
 LAYOUTS = ["standard", "batched"]
@@ -112,10 +110,12 @@ def test_env_turns_fusion_off(monkeypatch):
     monkeypatch.setenv(FUSE_ACT_ENV, "0")
     assert TritonExperts(config, scheme).act_epilogue() is None
     monkeypatch.setenv(FUSE_ACT_ENV, "1")
-    # dynamic a2 scales need the whole row or tensor: the activation is fused, the quantization not
-    for name in ("fp8_tensor", "fp8_token", "fp8_block", "mxfp4_mxfp8", "nvfp4"):
-        ep = TritonBatchedExperts(config, QuantScheme.by_name(name)).act_epilogue()
-        assert ep is not None and ep.quant is None, name
+    # a per-tensor dynamic a2: the activation is fused, the quantization follows
+    ep = TritonBatchedExperts(config, QuantScheme.by_name("fp8_tensor")).act_epilogue()
+    assert ep is not None and ep.quant is None
+    # per-row dynamic a2 scales: GEMM1 stays plain, act_and_quantize follows
+    for name in ("fp8_token", "fp8_block", "mxfp4_mxfp8", "nvfp4"):
+        assert TritonBatchedExperts(config, QuantScheme.by_name(name)).act_epilogue() is None, name
     assert TritonExperts(config, scheme).act_epilogue().quant == scheme.a2  # static: quantized in it
 
 
@@ -132,7 +132,7 @@ REAL = [  # (E, K, H, I): Qwen3-30B-A3B; DeepSeek-V3's H and I with 32 of its 25
 @pytest.mark.parametrize("t", [1, 64])
 @pytest.mark.parametrize("act", [Activation.SILU, Activation.SWIGLUOAI], ids=lambda a: a.value)
 @pytest.mark.parametrize("shape", REAL, ids=[f"E{s[0]}_H{s[2]}_I{s[3]}" for s in REAL])
-@pytest.mark.parametrize("scheme", ["bf16", "int4_g128", "mxfp4", "fp8_tensor_static", "fp8_tensor", "fp8_block"])
+@pytest.mark.parametrize("scheme", ["bf16", "int4_g128", "mxfp4", "fp8_tensor_static", "fp8_tensor"])
 def test_fused_real_shapes(scheme, shape, act, t):
     e, k, h, i = shape
     config = _config(act, e=e, k=k, h=h, i=i)

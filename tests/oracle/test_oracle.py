@@ -274,10 +274,21 @@ def test_shape_rule_defaults_to_triton(monkeypatch):
     monkeypatch.setitem(thresholds.GROUPED_MM_CROSSOVER, ("sm90", "unquantized"), None)
     c = _select("unquantized", "sm90", num_tokens=100_000)
     assert c.backend == "triton" and "no measured crossover for sm90 unquantized" in c.explain()
-    assert dict(c.verdicts)["triton_or_grouped_mm"].startswith("no measured triton/grouped_mm crossover")
+    assert dict(c.verdicts)["triton_or_grouped_mm"].startswith("no triton/grouped_mm crossover")
 
 
-def test_measured_crossover_picks_the_per_call_backend():
+def test_shipped_sm90_rows_keep_triton_first():
+    wide = MoEConfig(8, 2, 4096, 14336)
+    for sname in ("bf16", "fp8_tensor"):
+        c = select_experts(wide, QuantScheme.by_name(sname), platform=Platform.simulated("sm90"), num_tokens=16384)
+        assert c.backend == "triton", c.explain()
+        assert "triton was faster at every size measured on sm90" in c.explain()
+
+
+def test_measured_crossover_picks_the_per_call_backend(monkeypatch):
+    for family in ("unquantized", "fp8"):
+        rule = thresholds.Crossover(tokens_per_expert=64, min_intermediate_size=8192)
+        monkeypatch.setitem(thresholds.GROUPED_MM_CROSSOVER, ("sm90", family), rule)
     wide = MoEConfig(8, 2, 4096, 14336)
     plat = Platform.simulated("sm90")
     for scheme in (QuantScheme.unquantized(), QuantScheme.by_name("fp8_tensor")):

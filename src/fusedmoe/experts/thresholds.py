@@ -21,9 +21,15 @@ triton's:
   and 256, 0.72-0.67 at 1024-4096; the others 0.90-1.8 with no steady
   crossover (DeepSeek-V3 0.90 at 32 and 1.09 at 128 tokens per expert).
 
-So grouped_mm goes first only for wide experts (I >= 8192, between the widths
-measured), from 1024 (bf16) or 64 (fp8) tokens per expert. H100 and H200 share
-the sm90 rows; sm100 is not measured.
+That rule (grouped_mm first for I >= 8192 from 1024 (bf16) or 64 (fp8) tokens per
+expert) held until triton's prefill GEMMs became the persistent TMA-fed kernel with
+tables tuned for it. Measured again on an H100 (2026-11-25, the same bench with both
+backends as providers, benchmarks/results/layer_h100_crossover_2026-11-25.md), grouped_mm's
+time over triton's at T = 1-16384 (up to 4096 tokens per expert) on the four presets:
+bf16 1.01-1.88, fp8 per-tensor 1.02-1.86 except DeepSeek-V3 at 8 and 32 tokens per expert
+(0.92, 0.97). Triton is now first at every size on sm90 (``Crossover(None, ...)``); the
+H200 shares the sm90 row, though its tables predate the persistent kernel; sm100 is not
+measured.
 """
 
 from __future__ import annotations
@@ -37,17 +43,19 @@ from ..quant import QuantScheme
 
 @dataclass(frozen=True)
 class Crossover:
-    """grouped_mm goes before triton from ``tokens_per_expert`` (T*K/E) on, for I >= ``min_intermediate_size``."""
+    """grouped_mm goes before triton from ``tokens_per_expert`` (T*K/E) on, for I >= ``min_intermediate_size``;
+    ``tokens_per_expert`` None: measured, and triton was first at every size up to ``measured_up_to``."""
 
-    tokens_per_expert: int
+    tokens_per_expert: int | None
     min_intermediate_size: int = 0
+    measured_up_to: int = 0
 
 
 # (platform arch, scheme family) -> Crossover, or None: triton first at every size (not measured
 # yet). Fill from `fusedmoe bench` on that GPU, with the run that measured it next to the number.
 GROUPED_MM_CROSSOVER: dict[tuple[str, str], Crossover | None] = {
-    ("sm90", "unquantized"): Crossover(tokens_per_expert=1024, min_intermediate_size=8192),
-    ("sm90", "fp8"): Crossover(tokens_per_expert=64, min_intermediate_size=8192),
+    ("sm90", "unquantized"): Crossover(tokens_per_expert=None, measured_up_to=4096),
+    ("sm90", "fp8"): Crossover(tokens_per_expert=None, measured_up_to=4096),
     ("sm100", "unquantized"): None,
     ("sm100", "fp8"): None,
 }
@@ -61,9 +69,21 @@ def tokens_per_expert(config: MoEConfig, num_tokens: int) -> float:
 def crossover_for(platform: Platform, scheme: QuantScheme, config: MoEConfig) -> Crossover | None:
     """The measured crossover that applies to this platform, scheme family and I, or None."""
     rule = GROUPED_MM_CROSSOVER.get((platform.arch, scheme.family))
-    if rule is None or config.intermediate_size < rule.min_intermediate_size:
+    if rule is None or rule.tokens_per_expert is None or config.intermediate_size < rule.min_intermediate_size:
         return None
     return rule
+
+
+def no_crossover(platform: Platform, scheme: QuantScheme, config: MoEConfig) -> str:
+    """Why no crossover applies (``crossover_for`` gave None), in words."""
+    key = (platform.arch, scheme.family)
+    rule = GROUPED_MM_CROSSOVER.get(key)
+    if rule is not None and rule.tokens_per_expert is None:
+        up_to = rule.measured_up_to
+        return f"triton was faster at every size measured on {key[0]} {key[1]}, up to {up_to} tokens per expert"
+    if rule is not None:
+        return f"I={config.intermediate_size} < {rule.min_intermediate_size} on {key[0]}"
+    return f"no measured crossover for {key[0]} {key[1]}"
 
 
 def grouped_mm_first(
@@ -71,14 +91,9 @@ def grouped_mm_first(
 ) -> tuple[bool, str]:
     """(whether to try grouped_mm before triton, the rule in words for the explanation)."""
     key = (platform.arch, scheme.family)
-    rule = GROUPED_MM_CROSSOVER.get(key)
+    rule = crossover_for(platform, scheme, config)
     if rule is None:
-        return False, f"shape rule: triton before grouped_mm (no measured crossover for {key[0]} {key[1]})"
-    if config.intermediate_size < rule.min_intermediate_size:
-        return False, (
-            f"shape rule: triton before grouped_mm (I={config.intermediate_size} "
-            f"< {rule.min_intermediate_size} on {key[0]})"
-        )
+        return False, f"shape rule: triton before grouped_mm ({no_crossover(platform, scheme, config)})"
     if num_tokens is None:
         return False, (
             f"shape rule: triton before grouped_mm (no token count given; crossover "

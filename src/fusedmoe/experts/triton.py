@@ -12,18 +12,21 @@ Fused activation (the default): GEMM1 applies the activation in its epilogue
 (``grouped_gemm(act=ActEpilogue)``), so the [T*K, 2I] h never exists. Where a2's scale is
 known before its values (a2 not quantized, or static per-tensor fp8/int8) the epilogue also
 quantizes and writes a2 [T*K, I] directly: one launch fewer (two with an expert map or the
-batched layout, whose h is zero-filled first). Dynamic a2 scales (per token, group, MX/NV
-blocks, per-tensor dynamic) need the whole row or tensor first: GEMM1 writes act(h) [T*K, I]
-in the model dtype and ``quantize_activations`` follows, which moves half the bytes of
-quantizing h [T*K, 2I] (Mixtral fp8 per-tensor at T = 4096: 470 MB of h written and read
-twice became 235 MB; the activation is rounded to the model dtype once before Q_a2, as a
-separate activation kernel would).
+batched layout, whose h is zero-filled first). A per-tensor dynamic scale needs the whole
+tensor first: GEMM1 writes act(h) [T*K, I] in the model dtype and ``quantize_activations``
+follows with its two passes, which read half the bytes that ``act_and_quantize``'s two passes
+over h [T*K, 2I] read (Mixtral fp8 at T = 4096 on an H100: 470 MB of h written and read twice
+became 235 MB, the layer 3,163 -> 2,965 us; the activation is rounded to the model dtype once
+before Q_a2). Per-row dynamic scales (per token, 1x128 groups, MX/NV blocks) keep GEMM1 plain
+and ``act_and_quantize`` (one pass): GEMM1 with the activation takes half the tile width, and
+that was slower at a few hundred tokens (fp8 blocks, T = 256: Qwen3 276 -> 321 us, gpt-oss
+405 -> 472 us with the activation in GEMM1).
 ``FUSEDMOE_FUSE_ACT=0`` (read when the experts are built) or ``experts.fuse_act = False``
 turns the fusion off, for comparison. The fused GEMM1 takes the plain GEMM1's launch
 config with BN halved (``gated_act_config``), so a program reads the same W13 rows.
 
 Workspace (``workspace``, declared from the shapes): h [T*K, 2I] (unfused), h_act [T*K, I] (fused
-with a dynamic a2: act(h) before Q_a2) and y
+with a per-tensor dynamic a2: act(h) before Q_a2) and y
 [T*K, H] in the model dtype, a2 [T*K, I] quantized as scheme.a2 (plus its row scales);
 ``MoEKernel`` chunking bounds T. Given a workspace (``MoEKernel.allocate``), ``apply``
 writes into it and allocates none of these. Batched layout: the same two GEMMs over
@@ -160,8 +163,13 @@ class _TritonBase(Experts):
         super().__init__(config, scheme)
         self.deterministic = env.deterministic()
         self.fuse_act = env.fuse_act()
-        # the epilogue quantizes a2 where its scale is known up front; else quantize_activations follows
-        self._epilogue = ActEpilogue.of(config, scheme.a2 if ActEpilogue.supports(scheme.a2) else None)
+        # the epilogue quantizes a2 where its scale is known up front; a per-tensor dynamic a2 is
+        # quantized after it (module docstring); per-row dynamic scales: no epilogue
+        self._epilogue = None
+        if ActEpilogue.supports(scheme.a2):
+            self._epilogue = ActEpilogue.of(config, scheme.a2)
+        elif _tensor_dynamic(scheme.a2):
+            self._epilogue = ActEpilogue.of(config, None)
         self._plans: dict[tuple, _Plan] = {}
         # 4-bit weights the w4 kernel runs (converted by prepare_weights); None: why not
         why = w4_supports(scheme.w1, scheme.a1, config.dtype) or w4_supports(scheme.w2, scheme.a2, config.dtype)
@@ -222,7 +230,7 @@ class _TritonBase(Experts):
         ``local_pairs``: the standard layout's row mask of the pairs GEMM1 writes (``_unwritten_rows``)."""
         cfg, sch = self.config, self.scheme
         i, dev = cfg.intermediate_size, a.data.device
-        a2_after = sch.a2 is not None and ep.quant is None  # a dynamic scale: quantized after GEMM1
+        a2_after = sch.a2 is not None and ep.quant is None  # a per-tensor dynamic scale: after GEMM1
         scale = weights.act_scales("a2", sch.a2).get("scale") if ep.quant is not None else None
         if a2_after:
             data = take(workspace, "h_act", (rows, i), cfg.dtype, dev)
@@ -241,7 +249,7 @@ class _TritonBase(Experts):
         shapes = {}
         if ep is None:
             shapes["h"] = ((rows, c.w13_rows), c.dtype)
-        elif self.scheme.a2 is not None and ep.quant is None:  # act(h), quantized after GEMM1
+        elif self.scheme.a2 is not None and ep.quant is None:  # act(h), quantized after GEMM1 (per tensor)
             shapes["h_act"] = ((rows, c.intermediate_size), c.dtype)
         shapes.update(quantized_layout("a2", self.scheme.a2, rows, c.intermediate_size, c.dtype))
         return Workspace(shapes)

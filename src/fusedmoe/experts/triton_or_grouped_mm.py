@@ -20,7 +20,7 @@ from ..contract import TokenLayout, WeightedReduce
 from ..platform import current_platform
 from .base import Experts
 from .grouped_mm import GroupedMMExperts
-from .thresholds import crossover_for, tokens_per_expert
+from .thresholds import crossover_for, no_crossover, tokens_per_expert
 from .triton import TritonExperts
 
 
@@ -47,8 +47,8 @@ class TritonOrGroupedMMExperts(Experts):
                 return f"{part.name}: {reason}"
         if crossover_for(platform, scheme, config) is None:
             return (
-                f"no measured triton/grouped_mm crossover for {platform.arch} {scheme.family} "
-                f"at I={config.intermediate_size} (oracle/thresholds.py): triton serves every size"
+                f"no triton/grouped_mm crossover for {platform.arch} {scheme.family} at I={config.intermediate_size} "
+                f"({no_crossover(platform, scheme, config)}; experts/thresholds.py): triton serves every size"
             )
         return None
 
