@@ -60,6 +60,7 @@ from .oracle.build import build_kernel
 from .oracle.padding import pad_weights
 from .platform import Platform
 from .quant import QDtype, QTensor, QuantScheme, TensorQuant, dequantize, quantize
+from .quant.formats import PACKED, WEIGHT_DATA_DTYPE
 from .routing import RouterConfig
 from .weights import ExpertWeights
 
@@ -67,15 +68,7 @@ __all__ = ["FusedMoE", "SHARDS"]
 
 SHARDS = ("w1", "w3", "w2", "w13")
 
-_DATA_DTYPE = {
-    QDtype.FP8: torch.float8_e4m3fn,
-    QDtype.INT8: torch.int8,
-    QDtype.INT4: torch.uint8,
-    QDtype.MXFP4: torch.uint8,
-    QDtype.NVFP4: torch.uint8,
-}
 _SCALE_DTYPE = {QDtype.MXFP4: torch.uint8, QDtype.NVFP4: torch.float8_e4m3fn}
-_PACKED = (QDtype.INT4, QDtype.MXFP4, QDtype.NVFP4)
 
 
 @dataclass(frozen=True)
@@ -108,8 +101,8 @@ def _gran_units(tq: TensorQuant) -> tuple[int, int]:
 def _weight_specs(prefix: str, e: int, n: int, k: int, tq: TensorQuant | None, dtype, shards: int) -> dict:
     if tq is None:
         return {f"{prefix}_weight": _Spec((e, n, k), dtype, "matrix")}
-    pack = 2 if tq.dtype in _PACKED else 1
-    specs = {f"{prefix}_weight": _Spec((e, n, k // pack), _DATA_DTYPE[tq.dtype], "matrix", cols=pack)}
+    pack = 2 if tq.dtype in PACKED else 1
+    specs = {f"{prefix}_weight": _Spec((e, n, k // pack), WEIGHT_DATA_DTYPE[tq.dtype], "matrix", cols=pack)}
     sdt = _SCALE_DTYPE.get(tq.dtype, torch.float32)
     if tq.granularity.kind == "tensor":
         specs[f"{prefix}_weight_scale"] = _Spec((e, shards), sdt, "shard")

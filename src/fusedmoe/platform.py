@@ -76,6 +76,21 @@ class Platform:
     def has(self, package: str) -> bool:
         return package in self.packages
 
+    def why_not_run(
+        self, platforms: frozenset[str], packages: tuple[str, ...] = (), min_capability: tuple[int, int] | None = None
+    ) -> str | None:
+        """None if code declared for ``platforms`` (``kind`` values), cuda ``min_capability`` and
+        ``packages`` can run here; else why not. The first checks of every backend and dispatcher."""
+        if self.kind not in platforms:
+            return f"platform {self.label} not supported (needs {sorted(platforms)})"
+        if min_capability and self.kind == "cuda" and (self.capability or (0, 0)) < min_capability:
+            need = f"sm{min_capability[0]}{min_capability[1]}"
+            return f"needs compute capability {need}+, platform is {self.label}"
+        for p in packages:
+            if not self.has(p):
+                return f"package '{p}' is not installed"
+        return None
+
     def at_least(self, major: int, minor: int = 0) -> bool:
         return self.kind == "cuda" and self.capability is not None and self.capability >= (major, minor)
 

@@ -35,14 +35,10 @@ class Dispatcher:
     @classmethod
     def why_not(cls, platform) -> str | None:
         """None if this dispatcher can run on ``platform``; otherwise why not."""
-        if platform.kind not in cls.platforms:
-            return f"platform {platform.label} not supported (needs {sorted(cls.platforms)})"
-        for p in cls.packages:
-            if not platform.has(p):
-                return f"package '{p}' is not installed"
-        if not cls.implemented:
+        why = platform.why_not_run(cls.platforms, cls.packages)
+        if why is None and not cls.implemented:
             return f"declared only: {cls.note or 'not implemented yet'}"
-        return None
+        return why
 
     def __init__(self, config: MoEConfig, scheme: QuantScheme, parallel: ParallelConfig | None = None):
         self.config = config

@@ -10,55 +10,48 @@ from __future__ import annotations
 from ..contract import TokenLayout
 from .base import Dispatcher
 
-_GPU = frozenset({"cuda"})
+
+class _Declared(Dispatcher):
+    """Declared, not written: a CUDA library's transport between ranks (unless it says otherwise)."""
+
+    distributed = True
+    platforms = frozenset({"cuda"})
+    implemented = False
 
 
-class DeepEPHighThroughputDispatcher(Dispatcher):
+class DeepEPHighThroughputDispatcher(_Declared):
     name = "deepep_high_throughput"
     layout = TokenLayout.STANDARD
-    distributed = True
     quantize_before_exchange = False  # per-token/tensor quantization happens after dispatch
     packages = ("deep_ep",)
-    platforms = _GPU
-    implemented = False
     seed_names = ("deepep_high_throughput",)
 
 
-class DeepEPLowLatencyDispatcher(Dispatcher):
+class DeepEPLowLatencyDispatcher(_Declared):
     name = "deepep_low_latency"
     layout = TokenLayout.BATCHED
-    distributed = True
     quantize_before_exchange = False
     packages = ("deep_ep",)
-    platforms = _GPU
-    implemented = False
     seed_names = ("deepep low_latency",)
 
 
-class PplxDispatcher(Dispatcher):
+class PplxDispatcher(_Declared):
     name = "pplx"
     layout = TokenLayout.BATCHED
-    distributed = True
     packages = ("pplx_kernels",)
-    platforms = _GPU
-    implemented = False
     seed_names = ("pplx",)
 
 
-class FlashInferAll2AllvDispatcher(Dispatcher):
+class FlashInferAll2AllvDispatcher(_Declared):
     name = "flashinfer_all2allv"
     layout = TokenLayout.STANDARD
-    distributed = True
     packages = ("flashinfer",)
-    platforms = _GPU
-    implemented = False
     seed_names = ("flashinfer_all2allv",)
 
 
-class FlashInferDispatcher(Dispatcher):
+class FlashInferDispatcher(_Declared):
     name = "flashinfer"
     layout = TokenLayout.STANDARD
+    distributed = False
     packages = ("flashinfer",)
-    platforms = _GPU
-    implemented = False
     seed_names = ("flashinfer",)

@@ -118,14 +118,9 @@ class Experts:
         c = cls.capabilities
         if layout is not None and layout not in c.layouts:
             return f"token layout {layout.value} not supported (has {sorted(x.value for x in c.layouts)})"
-        if platform.kind not in c.platforms:
-            return f"platform {platform.label} not supported (needs {sorted(c.platforms)})"
-        if c.min_capability and platform.kind == "cuda" and (platform.capability or (0, 0)) < c.min_capability:
-            need = f"sm{c.min_capability[0]}{c.min_capability[1]}"
-            return f"needs compute capability {need}+, platform is {platform.label}"
-        for p in c.packages:
-            if not platform.has(p):
-                return f"package '{p}' is not installed"
+        why = platform.why_not_run(c.platforms, c.packages, c.min_capability)
+        if why is not None:
+            return why
         if not c.implemented:
             return f"declared only: {c.note or 'adapter not implemented yet'}"
         if not c.supports_scheme(scheme):

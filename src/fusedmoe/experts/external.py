@@ -18,6 +18,7 @@ never blames a missing package for something the package would refuse anyway.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import ClassVar
 
 from ..config import Activation
 from ..contract import TokenLayout
@@ -69,6 +70,15 @@ def _block_128(scheme: QuantScheme, who: str) -> str | None:
 
 class _Adapter(Experts):
     """Base of the external adapters: the refusal order of the module docstring."""
+
+    # (H multiple, I multiple) the kernel needs for MXFP4 weights (None: the capabilities' align)
+    mxfp4_align: ClassVar[tuple[int, int] | None] = None
+
+    @classmethod
+    def alignment(cls, scheme, platform):
+        if scheme.family == "mxfp4" and cls.mxfp4_align is not None:
+            return cls.mxfp4_align
+        return cls.capabilities.align
 
     @classmethod
     def why_not(cls, config, scheme, platform, **kw) -> str | None:
@@ -135,17 +145,13 @@ class FlashInferExperts(_Adapter):
         seeds=("flashinfer",),
         router_weight_on_input=False,
     )
+    mxfp4_align = (128, 128)  # vLLM rounds H and I up to 128 for both FlashInfer CUTLASS MXFP4 variants
 
     @classmethod
     def activation_scheme(cls, scheme, platform):
         if scheme.family == "mxfp4":
             return QuantScheme.by_name("mxfp4_mxfp8" if platform.has_fp4 else "mxfp4")
         return scheme
-
-    @classmethod
-    def alignment(cls, scheme, platform):
-        # vLLM rounds H and I up to 128 for both FlashInfer CUTLASS MXFP4 variants
-        return (128, 128) if scheme.family == "mxfp4" else cls.capabilities.align
 
     @classmethod
     def extra_checks(cls, config, scheme, platform):
@@ -169,11 +175,7 @@ class TrtLlmExperts(_Adapter):
         seeds=("trtllm",),
         router_weight_on_input=False,
     )
-
-    @classmethod
-    def alignment(cls, scheme, platform):
-        # vLLM rounds H and I up to 256 for the TRT-LLM MXFP4 kernels (their weight shuffle)
-        return (256, 256) if scheme.family == "mxfp4" else cls.capabilities.align
+    mxfp4_align = (256, 256)  # vLLM rounds H and I up to 256 for the TRT-LLM MXFP4 kernels (weight shuffle)
 
     @classmethod
     def extra_checks(cls, config, scheme, platform):
@@ -194,11 +196,7 @@ class OaiTritonExperts(_Adapter):
         (9, 0),
         seeds=("gpt oss triton",),
     )
-
-    @classmethod
-    def alignment(cls, scheme, platform):
-        # vLLM rounds I up to 64 for the triton_kernels MXFP4 path (H is kept)
-        return (1, 64) if scheme.family == "mxfp4" else cls.capabilities.align
+    mxfp4_align = (1, 64)  # vLLM rounds I up to 64 for the triton_kernels MXFP4 path (H is kept)
 
     @classmethod
     def extra_checks(cls, config, scheme, platform):
@@ -225,11 +223,7 @@ class MarlinExperts(_Adapter):
         (8, 0),
         seeds=("marlin",),
     )
-
-    @classmethod
-    def alignment(cls, scheme, platform):
-        # vLLM rounds MXFP4 H up to 256 and I up to 128 for Marlin's tiles
-        return (256, 128) if scheme.family == "mxfp4" else cls.capabilities.align
+    mxfp4_align = (256, 128)  # vLLM rounds MXFP4 H up to 256 and I up to 128 for Marlin's tiles
 
     @classmethod
     def extra_checks(cls, config, scheme, platform):
@@ -271,12 +265,9 @@ class AiterExperts(_Adapter):
         platforms=("rocm",),
         seeds=("rocm aiter moe",),
     )
-
-    @classmethod
-    def alignment(cls, scheme, platform):
-        # vLLM pads MXFP4 sizes on ROCm (VLLM_ROCM_MOE_PADDING); 256 as for TRT-LLM, to be
-        # confirmed on a gfx950
-        return (256, 256) if scheme.family == "mxfp4" else cls.capabilities.align
+    # vLLM pads MXFP4 sizes on ROCm (VLLM_ROCM_MOE_PADDING); 256 as for TRT-LLM, to be
+    # confirmed on a gfx950
+    mxfp4_align = (256, 256)
 
     @classmethod
     def extra_checks(cls, config, scheme, platform):

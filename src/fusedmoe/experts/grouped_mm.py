@@ -197,6 +197,11 @@ class GroupedMMExperts(Experts):
         rows = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
         route_w = None if cfg.apply_router_weight_on_input else topk.weights
         moe_sum(
-            y, out, topk_ids=topk.ids, expert_map=expert_map, num_local_experts=e_l,
-            rows=rows.view(t, k), weights=route_w,
+            y,
+            out,
+            topk_ids=topk.ids,
+            expert_map=expert_map,
+            num_local_experts=e_l,
+            rows=rows.view(t, k),
+            weights=route_w,
         )

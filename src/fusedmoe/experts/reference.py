@@ -69,24 +69,21 @@ def expert_ffn_rows(
     (each in [0, E_l)), in xq's dtype; each expert's weights dequantized when its rows come up
     (see the module docstring). ``mm(a, w_t)``: the GEMM. Returns [M, H]."""
     dtype = xq.dtype
-    m = xq.shape[0]
-    hit = torch.unique(expert).tolist()
-    inter = torch.empty(m, config.intermediate_size, dtype=dtype, device=xq.device)
-    for e in hit:
-        rows = (expert == e).nonzero(as_tuple=True)[0]
-        h = mm(xq[rows], expert_matrix(weights.w13, scheme.w1, e, dtype).T)
-        if weights.b13 is not None:
-            h = h + weights.b13[e].to(dtype)
-        inter[rows] = apply_activation(h, config)
+    groups = [(e, (expert == e).nonzero(as_tuple=True)[0]) for e in torch.unique(expert).tolist()]
+
+    def gemm(a, w, tq, bias, n, activate=False):
+        """a @ W_e^T (+ b_e) for each expert e's rows of ``a`` (then the activation): [M, n]."""
+        out = torch.empty(a.shape[0], n, dtype=dtype, device=a.device)
+        for e, rows in groups:
+            y = mm(a[rows], expert_matrix(w, tq, e, dtype).T)
+            if bias is not None:
+                y = y + bias[e].to(dtype)
+            out[rows] = apply_activation(y, config) if activate else y
+        return out
+
+    inter = gemm(xq, weights.w13, scheme.w1, weights.b13, config.intermediate_size, activate=True)
     aq = fake_quantize(inter, scheme.a2, dtype, **weights.act_scales("a2", scheme.a2))
-    out = torch.empty(m, config.hidden_size, dtype=dtype, device=xq.device)
-    for e in hit:
-        rows = (expert == e).nonzero(as_tuple=True)[0]
-        y = mm(aq[rows], expert_matrix(weights.w2, scheme.w2, e, dtype).T)
-        if weights.b2 is not None:
-            y = y + weights.b2[e].to(dtype)
-        out[rows] = y
-    return out
+    return gemm(aq, weights.w2, scheme.w2, weights.b2, config.hidden_size)
 
 
 def quantize_input(

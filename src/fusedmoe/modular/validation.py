@@ -51,6 +51,7 @@ from .. import env
 from ..config import MoEConfig
 from ..errors import UnsupportedError, expect
 from ..quant import QDtype, QTensor, QuantScheme
+from ..quant.formats import PACKED, WEIGHT_DATA_DTYPE
 from ..quant.scheme import shape_supported
 from ..weights import ExpertWeights
 
@@ -58,15 +59,6 @@ __all__ = ["check_weights", "validate_call"]
 
 
 _ID_DTYPES = (torch.int32, torch.int64)
-# Stored dtype of a quantized weight's data, per format (what ``quantize`` and the layer's loader produce).
-_DATA_DTYPE = {
-    QDtype.FP8: torch.float8_e4m3fn,
-    QDtype.INT8: torch.int8,
-    QDtype.INT4: torch.uint8,
-    QDtype.MXFP4: torch.uint8,
-    QDtype.NVFP4: torch.uint8,
-}
-_PACKED = (QDtype.INT4, QDtype.MXFP4, QDtype.NVFP4)
 _E8M0 = (torch.uint8, torch.float8_e8m0fnu)
 # What a weight scale must be where the format fixes it (others: any floating dtype).
 _SCALE_WANT = {
@@ -303,13 +295,13 @@ def _operand_rules(name: str, q, tq, config: MoEConfig, scheme: QuantScheme, ref
             need = e * n * k * q.data.element_size()
             yield _data_bytes(q.data) >= need, f"{name}.data", f"{need} bytes for {(e, n, k)}", _data_bytes(q.data)
         return
-    want = _DATA_DTYPE[tq.dtype]
-    what = "packed two per uint8" if tq.dtype in _PACKED else "stored codes"
+    want = WEIGHT_DATA_DTYPE[tq.dtype]
+    what = "packed two per uint8" if tq.dtype in PACKED else "stored codes"
     yield q.scale is not None, f"{name}.scale", f"a scale for {scheme.name}", None
     gran = tq.granularity
     if reference_layout:  # a backend's layout stores its own way (the w4 layout: int32 words)
         yield q.data.dtype == want, f"{name}.data", f"dtype {want} ({tq.dtype.value} {what})", q.data.dtype
-        stored = (e, n, k // 2 if tq.dtype in _PACKED else k)
+        stored = (e, n, k // 2 if tq.dtype in PACKED else k)
         yield tuple(q.data.shape) == stored, f"{name}.data", f"stored shape {stored}", tuple(q.data.shape)
         want_scale = (e, *gran.scale_shape(n, k))
         got_scale = tuple(q.scale.shape)

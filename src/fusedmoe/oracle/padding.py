@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from ..config import MoEConfig
 from ..errors import expect
-from ..quant import QTensor, QuantScheme, TensorQuant, quantize
+from ..quant import Granularity, QTensor, QuantScheme, TensorQuant, quantize
 from ..weights import ExpertWeights
 
 
@@ -115,6 +115,16 @@ def _block_rows(dst: torch.Tensor, bn: int, what: str) -> torch.Tensor:
     return blocks
 
 
+def _map_scales(q: QTensor, g: Granularity, move) -> dict[str, torch.Tensor | None]:
+    """{'scale', 'zero'} of ``q``: ``move(name, s)`` of each grouped one; absent and per-tensor
+    ones (nothing to move with the rows) as they are."""
+    out = {}
+    for name in ("scale", "zero"):
+        s = getattr(q, name)
+        out[name] = s if s is None or g.kind == "tensor" else move(name, s)
+    return out
+
+
 def _pad_q(q: QTensor, tq: TensorQuant | None, dst: torch.Tensor, n_new: int, k_new: int, what: str) -> QTensor:
     """Place rows of ``q`` [E, N, K] at ``dst`` of n_new rows and widen K to k_new, in stored form."""
     e, n, k = q.shape
@@ -127,18 +137,16 @@ def _pad_q(q: QTensor, tq: TensorQuant | None, dst: torch.Tensor, n_new: int, k_
     data = _place(q.data, 1, dst, n_new, fills["data"])
     data = _place(data, 2, torch.arange(q.data.shape[-1]), k_new // per_byte, fills["data"])
     g = tq.granularity
-    extra = {}
-    for name in ("scale", "zero"):
-        s = getattr(q, name)
-        if s is None or g.kind == "tensor":
-            extra[name] = s
-            continue
+
+    def move(name, s):
         if g.kind == "block":
             s = _place(s, 1, _block_rows(dst, g.block_n, what), -(-n_new // g.block_n), fills[name])
         else:
             s = _place(s, 1, dst, n_new, fills[name])
         cols = {"group": -(-k_new // max(g.group_size, 1)), "block": -(-k_new // max(g.block_k, 1))}.get(g.kind, 1)
-        extra[name] = _place(s, 2, torch.arange(s.shape[-1]), cols, fills[name])
+        return _place(s, 2, torch.arange(s.shape[-1]), cols, fills[name])
+
+    extra = _map_scales(q, g, move)
     if q.zero is not None and k_new > k:
         expect(k % g.group_size == 0, what, "zero points only with whole new groups (K a multiple of the group)", k)
     g_idx = q.g_idx
@@ -156,18 +164,14 @@ def _unpad_q(q: QTensor, tq: TensorQuant | None, rows: torch.Tensor, k: int) -> 
     if tq is None:
         return QTensor(data.contiguous(), (e, n, k))
     g = tq.granularity
-    extra = {}
-    for name in ("scale", "zero"):
-        s = getattr(q, name)
-        if s is None or g.kind == "tensor":
-            extra[name] = s
-            continue
+
+    def move(name, s):
         if g.kind == "block":
-            s = _take(s, 1, rows[:: g.block_n] // g.block_n)[..., : -(-k // g.block_k)]
-        else:
-            s = _take(s, 1, rows)
-            s = s[..., : -(-k // g.group_size)] if g.kind == "group" else s
-        extra[name] = s.contiguous()
+            return _take(s, 1, rows[:: g.block_n] // g.block_n)[..., : -(-k // g.block_k)].contiguous()
+        s = _take(s, 1, rows)
+        return (s[..., : -(-k // g.group_size)] if g.kind == "group" else s).contiguous()
+
+    extra = _map_scales(q, g, move)
     g_idx = None if q.g_idx is None else q.g_idx[..., :k].contiguous()
     return QTensor(data.contiguous(), (e, n, k), extra["scale"], extra["zero"], q.global_scale, g_idx)
 

@@ -35,6 +35,9 @@ from .registry import experts_backends
 STD, BAT = TokenLayout.STANDARD, TokenLayout.BATCHED
 
 _CPU = ("cpu", "reference", "triton")
+# the two ROCm columns, the same in every family (AITER refuses MXFP4 off gfx950 itself)
+_ROCM_AITER = {"gfx950": ("aiter", "triton"), "gfx942": ("aiter", "triton")}
+_ROCM_TRITON = {"gfx950": ("triton",), "gfx942": ("triton",)}
 
 # family variant -> platform class -> standard-layout candidates, best first
 STANDARD: dict[str, dict[str, tuple[str, ...]]] = {
@@ -43,8 +46,7 @@ STANDARD: dict[str, dict[str, tuple[str, ...]]] = {
         "sm90": ("triton_or_grouped_mm", "triton", "grouped_mm", "flashinfer_cutlass", "oai_triton"),
         "sm89": ("triton", "grouped_mm"),
         "sm80": ("triton", "grouped_mm"),
-        "gfx950": ("aiter", "triton"),
-        "gfx942": ("aiter", "triton"),
+        **_ROCM_AITER,
         "cpu": ("cpu", "grouped_mm", "reference", "triton"),
         "tpu": ("pallas",),
     },
@@ -54,8 +56,7 @@ STANDARD: dict[str, dict[str, tuple[str, ...]]] = {
         "sm90": ("flashinfer_cutlass", "cutlass_fp8", "triton_or_grouped_mm", "triton", "grouped_mm"),
         "sm89": ("triton", "cutlass_fp8"),
         "sm80": ("triton", "marlin"),
-        "gfx950": ("aiter", "triton"),
-        "gfx942": ("aiter", "triton"),
+        **_ROCM_AITER,
         "cpu": _CPU,
     },
     # fp8 with block weight scales (DeepSeek-V3): no PyTorch grouped GEMM takes block scales
@@ -64,8 +65,7 @@ STANDARD: dict[str, dict[str, tuple[str, ...]]] = {
         "sm90": ("deep_gemm", "flashinfer_cutlass", "triton"),
         "sm89": ("triton",),
         "sm80": ("triton",),
-        "gfx950": ("aiter", "triton"),
-        "gfx942": ("aiter", "triton"),
+        **_ROCM_AITER,
         "cpu": _CPU,
     },
     "int8": {
@@ -73,8 +73,7 @@ STANDARD: dict[str, dict[str, tuple[str, ...]]] = {
         "sm90": ("triton",),
         "sm89": ("triton",),
         "sm80": ("triton",),
-        "gfx950": ("triton",),
-        "gfx942": ("triton",),
+        **_ROCM_TRITON,
         "cpu": _CPU,
     },
     # int4 / int8 weight-only (GPTQ, AWQ): Marlin on NVIDIA; vLLM has no Marlin MoE on ROCm
@@ -83,8 +82,7 @@ STANDARD: dict[str, dict[str, tuple[str, ...]]] = {
         "sm90": ("marlin", "triton"),
         "sm89": ("marlin", "triton"),
         "sm80": ("marlin", "triton"),
-        "gfx950": ("triton",),
-        "gfx942": ("triton",),
+        **_ROCM_TRITON,
         "cpu": _CPU,
     },
     # MXFP4 weights (gpt-oss); the backend fixes the activations (bf16, or MXFP8 on sm100)
@@ -93,8 +91,7 @@ STANDARD: dict[str, dict[str, tuple[str, ...]]] = {
         "sm90": ("flashinfer_cutlass", "oai_triton", "triton", "marlin"),
         "sm89": ("marlin", "triton"),
         "sm80": ("marlin", "triton"),
-        "gfx950": ("aiter", "triton"),
-        "gfx942": ("aiter", "triton"),
+        **_ROCM_AITER,
         "cpu": _CPU,
     },
     # NVFP4: FP4 tensor cores on sm100; elsewhere Marlin runs the weights with bf16 activations
@@ -103,8 +100,7 @@ STANDARD: dict[str, dict[str, tuple[str, ...]]] = {
         "sm90": ("marlin", "triton"),
         "sm89": ("marlin", "triton"),
         "sm80": ("marlin", "triton"),
-        "gfx950": ("triton",),
-        "gfx942": ("triton",),
+        **_ROCM_TRITON,
         "cpu": _CPU,
     },
 }

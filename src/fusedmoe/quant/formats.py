@@ -25,6 +25,17 @@ FORMATS: dict[QDtype, Format] = {
     QDtype.MXFP8: mxfp8.mxfp8,
 }
 
+# Stored dtype of a quantized weight's data, per format (what ``quantize`` and the layer's loader
+# produce); the 4-bit formats in ``PACKED`` hold two codes per uint8 along K.
+WEIGHT_DATA_DTYPE: dict[QDtype, torch.dtype] = {
+    QDtype.FP8: torch.float8_e4m3fn,
+    QDtype.INT8: torch.int8,
+    QDtype.INT4: torch.uint8,
+    QDtype.MXFP4: torch.uint8,
+    QDtype.NVFP4: torch.uint8,
+}
+PACKED = (QDtype.INT4, QDtype.MXFP4, QDtype.NVFP4)
+
 
 def _format(tq: TensorQuant) -> Format:
     expect(tq.dtype in FORMATS, "TensorQuant.dtype", f"one of {list(FORMATS)}", tq.dtype)

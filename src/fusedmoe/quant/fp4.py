@@ -158,24 +158,48 @@ def check_group_multiple(x: torch.Tensor, tq: TensorQuant) -> None:
 # ---- MXFP4 -------------------------------------------------------------------------
 
 
-class _MXFP4:
+class MXFormat:
+    """An OCP MX format: ``emax`` of its element type, e8m0 scales; MXFP4 here, MXFP8 in ``mxfp8``.
+
+    A subclass says how scaled fp32 values become stored codes (``encode``) and back (``decode``).
+    """
+
+    name: str
+    emax: int
+
+    def encode(self, y: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def decode(self, data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
     def quantize(self, x, tq, *, scale=None, global_scale=None, g_idx=None) -> QTensor:
-        expect(global_scale is None, "global_scale", "None for mxfp4")
-        expect(g_idx is None, "g_idx", "None for mxfp4")
+        expect(global_scale is None, "global_scale", f"None for {self.name}")
+        expect(g_idx is None, "g_idx", f"None for {self.name}")
         check_group_multiple(x, tq)
         n, k = x.shape[-2], x.shape[-1]
         if scale is None:
-            code = mx_scale_code(group_amax(x, tq.granularity), MXFP4_EMAX)
+            code = mx_scale_code(group_amax(x, tq.granularity), self.emax)
         else:
             code = mx_static_code(scale, x, tq)
         y = x.float() * expand_scale(e8m0_reciprocal(code), tq.granularity, n, k)
-        return QTensor(data=pack_nibbles(e2m1_encode(y)), shape=tuple(x.shape), scale=code)
+        return QTensor(data=self.encode(y), shape=tuple(x.shape), scale=code)
 
     def dequantize(self, q: QTensor, tq: TensorQuant, dtype: torch.dtype) -> torch.Tensor:
         n, k = q.shape[-2], q.shape[-1]
         ct = compute_dtype(dtype)
         s = expand_scale(e8m0_decode(q.scale).to(ct), tq.granularity, n, k)
-        return (e2m1_decode(unpack_nibbles(q.data), ct) * s).to(dtype)
+        return (self.decode(q.data, ct) * s).to(dtype)
+
+
+class _MXFP4(MXFormat):
+    name, emax = "mxfp4", MXFP4_EMAX
+
+    def encode(self, y: torch.Tensor) -> torch.Tensor:
+        return pack_nibbles(e2m1_encode(y))
+
+    def decode(self, data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return e2m1_decode(unpack_nibbles(data), dtype)
 
 
 # ---- NVFP4 -------------------------------------------------------------------------

@@ -303,30 +303,33 @@ class QuantScheme:
         return cls(name=name, w1=w, w2=w)
 
     @classmethod
+    def _microscaled(cls, name: str, w: QDtype, a: QDtype | None = None) -> QuantScheme:
+        """Weights in the microscaling format ``w`` (its fixed group along K); activations in the
+        model dtype, or quantized dynamically as ``a`` with the same group."""
+        g = Granularity.group(w.fixed_group)
+        act = None if a is None else TensorQuant(a, g, dynamic=True)
+        wq = TensorQuant(w, g)
+        return cls(name=name, a1=act, w1=wq, a2=act, w2=wq)
+
+    @classmethod
     def mxfp4_w4a16(cls) -> QuantScheme:
         """MXFP4 weights, activations in the model dtype (gpt-oss)."""
-        w = TensorQuant(QDtype.MXFP4, Granularity.group(32))
-        return cls(name="mxfp4", w1=w, w2=w)
+        return cls._microscaled("mxfp4", QDtype.MXFP4)
 
     @classmethod
     def mxfp4_mxfp8(cls) -> QuantScheme:
         """MXFP4 weights with MXFP8 activations (dynamic e8m0 scale per 32)."""
-        w = TensorQuant(QDtype.MXFP4, Granularity.group(32))
-        a = TensorQuant(QDtype.MXFP8, Granularity.group(32), dynamic=True)
-        return cls(name="mxfp4_mxfp8", a1=a, w1=w, a2=a, w2=w)
+        return cls._microscaled("mxfp4_mxfp8", QDtype.MXFP4, QDtype.MXFP8)
 
     @classmethod
     def nvfp4_w4a16(cls) -> QuantScheme:
         """NVFP4 weights, activations in the model dtype."""
-        w = TensorQuant(QDtype.NVFP4, Granularity.group(16))
-        return cls(name="nvfp4_w4a16", w1=w, w2=w)
+        return cls._microscaled("nvfp4_w4a16", QDtype.NVFP4)
 
     @classmethod
     def nvfp4(cls) -> QuantScheme:
         """NVFP4 w4a4: activations quantized per 16 with a static fp32 global scale."""
-        w = TensorQuant(QDtype.NVFP4, Granularity.group(16))
-        a = TensorQuant(QDtype.NVFP4, Granularity.group(16), dynamic=True)
-        return cls(name="nvfp4", a1=a, w1=w, a2=a, w2=w)
+        return cls._microscaled("nvfp4", QDtype.NVFP4, QDtype.NVFP4)
 
     @classmethod
     def by_name(cls, name: str) -> QuantScheme:

@@ -416,6 +416,29 @@ def _pair(a, b) -> str:
     return "" if a is None and b is None else f"{_f(a)} / {_f(b)}"
 
 
+def _table_rows(rows: list[dict], head, cells) -> list[str]:
+    """A table's lines: ``head(r)`` (the row's key cells), then ``cells(r)`` or the row's error."""
+    return [f"{head(r)} error: {r['error'][:100]} |" if "error" in r else f"{head(r)} {cells(r)}" for r in rows]
+
+
+def _exchange_cells(r: dict) -> str:
+    g = r.get("graph_error", "")[:60]
+    return (
+        f"{r['dispatch_MB']:.2f} | {r['combine_MB']:.2f} | {r['dispatch_us']:.1f} | "
+        f"{r['combine_us']:.1f} | {r['raw_dispatch_us']:.1f} / {r['raw_combine_us']:.1f} | "
+        f"{_f(r.get('ratio_eager'), '.2f')} | {_f(r.get('graph_dispatch_us')) or g} | "
+        f"{_f(r.get('graph_combine_us'))} | {_pair(r.get('raw_graph_dispatch_us'), r.get('raw_graph_combine_us'))}"
+        f" | {_f(r.get('ratio_graph'), '.2f')} |"
+    )
+
+
+def _layer_cells(r: dict) -> str:
+    return (
+        f"{_f(r.get('eager_us'))} | {_f(r.get('graph_us')) or r.get('graph_error', '')[:40]} | "
+        f"{_f(r.get('speedup_eager'), '.2f')} | {_f(r.get('speedup_graph'), '.2f')} |"
+    )
+
+
 def to_markdown(rows: list[dict], layer: list[dict], meta: dict) -> str:
     lines = [
         f"# Expert parallelism, {meta['world']} x {meta['gpu']}, {meta['shape']}",
@@ -455,19 +478,9 @@ def to_markdown(rows: list[dict], layer: list[dict], meta: dict) -> str:
         "| ratio | graph dispatch | graph combine | graph raw d / c | graph ratio |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
-        head = f"| {r['dispatcher']} | {r['mode']} | {r['scheme']} | {r['tokens']} |"
-        if "error" in r:
-            lines.append(f"{head} error: {r['error'][:100]} |")
-            continue
-        g = r.get("graph_error", "")[:60]
-        lines.append(
-            f"{head} {r['dispatch_MB']:.2f} | {r['combine_MB']:.2f} | {r['dispatch_us']:.1f} | "
-            f"{r['combine_us']:.1f} | {r['raw_dispatch_us']:.1f} / {r['raw_combine_us']:.1f} | "
-            f"{_f(r.get('ratio_eager'), '.2f')} | {_f(r.get('graph_dispatch_us')) or g} | "
-            f"{_f(r.get('graph_combine_us'))} | {_pair(r.get('raw_graph_dispatch_us'), r.get('raw_graph_combine_us'))}"
-            f" | {_f(r.get('ratio_graph'), '.2f')} |"
-        )
+    lines += _table_rows(
+        rows, lambda r: f"| {r['dispatcher']} | {r['mode']} | {r['scheme']} | {r['tokens']} |", _exchange_cells
+    )
     if layer:
         lines += [
             "",
@@ -479,15 +492,9 @@ def to_markdown(rows: list[dict], layer: list[dict], meta: dict) -> str:
             "| scheme | tokens/rank | setup | experts | eager | graph | speedup eager | speedup graph |",
             "|---|---|---|---|---|---|---|---|",
         ]
-        for r in layer:
-            head = f"| {r['scheme']} | {r['tokens']} | {r['setup']} | {r.get('experts', '')} |"
-            if "error" in r:
-                lines.append(f"{head} error: {r['error'][:100]} |")
-                continue
-            lines.append(
-                f"{head} {_f(r.get('eager_us'))} | {_f(r.get('graph_us')) or r.get('graph_error', '')[:40]} | "
-                f"{_f(r.get('speedup_eager'), '.2f')} | {_f(r.get('speedup_graph'), '.2f')} |"
-            )
+        lines += _table_rows(
+            layer, lambda r: f"| {r['scheme']} | {r['tokens']} | {r['setup']} | {r.get('experts', '')} |", _layer_cells
+        )
     if meta.get("graph_identity_check"):
         lines += ["", "## Identity experts under CUDA graphs", ""]
         lines += [f"- {k}: {v}" for k, v in meta["graph_identity_check"].items()]

@@ -42,13 +42,12 @@ do not change it.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from ...contract import Dispatched, TokenLayout, WeightedReduce, Workspace, take
+from ...contract import Dispatched, TokenLayout, Workspace, take
 from ...errors import expect
 from ...kernels.rows import as_words, gather_sum, scatter_rows
 from .base import EPDispatcher, _capturing
-from .groups import nonempty
+from .groups import all_to_all_rows, nonempty
 
 
 class All2AllDispatcher(EPDispatcher):
@@ -78,10 +77,8 @@ class All2AllDispatcher(EPDispatcher):
         return ws
 
     def dispatch(self, x, topk, weights, *, expert_map=None, a1_scale=None, workspace=None) -> Dispatched:
-        self.check_inputs(x, topk, weights, expert_map, need_map=True)
+        bound, fits, ws = self.start_dispatch(x, topk, weights, expert_map, workspace, need_map=True)
         dev, t, w, h = x.device, x.shape[0], self.world, self.config.hidden_size
-        bound, fits = self.token_bound(t, workspace)
-        ws = workspace if fits else None
         before = self.quantizes_before()
         lay = self.row_layout(weights, dev)
         a = self.quantize_rows(x, topk, weights, a1_scale) if before else None
@@ -101,7 +98,7 @@ class All2AllDispatcher(EPDispatcher):
             )
             dest, counts = self.route(ids, None, wire=True)
             recv_counts = torch.empty_like(counts)
-            dist.all_to_all_single(recv_counts, counts, group=self.group)
+            all_to_all_rows(recv_counts, counts, self.group)
             send = lay.empty(t * w, dev)  # an upper bound: packed before the counts reach the host
         rows = take(ws, "rows", (t, lay.row_bytes), torch.uint8, dev)
         rows = self.pack_rows(lay, rows, a, x, ids, topk.weights, wire=True)
@@ -111,38 +108,16 @@ class All2AllDispatcher(EPDispatcher):
             n_send, n_recv, splits = sum(sc), sum(rc), (sc, rc)
             send = nonempty(send[:n_send])
         recv = nonempty(take(ws, "recv", (n_recv, lay.row_bytes), torch.uint8, dev))
-        dist.all_to_all_single(
-            recv,
-            send,
-            output_split_sizes=None if splits is None else splits[1],
-            input_split_sizes=None if splits is None else splits[0],
-            group=self.group,
-        )
+        all_to_all_rows(recv, send, self.group, splits)
         self.last_mode = "fixed" if fits else "variable"
         self.wire_bytes = (n_send * lay.row_bytes, n_recv * h * x.element_size())
-        tk = self.received_topk(lay, recv)
-        if before:
-            parts = {n: lay.view(recv, n).contiguous() for n in lay.fields if n not in ("ids", "w")}
-            a = self.received(parts, weights, (n_recv, h))
-        else:
-            xr = lay.view(recv, "x")  # the quantizers read strided rows; the experts get contiguous ones
-            a = self.quantize_rows(xr if self.scheme.a1 is not None else xr.contiguous(), tk, weights, a1_scale)
+        a, tk = self.receive_rows(lay, recv, weights, a1_scale)
         ctx = (dest, splits, n_send, expert_map, ws)
         return Dispatched(a=a, topk=tk, counts=None, num_tokens=n_recv, ctx=ctx)
-
-    def output_shape(self, d, reduce):
-        h = self.config.hidden_size
-        return (d.num_tokens, h) if reduce is WeightedReduce.NONE else (d.num_tokens, self.config.top_k, h)
 
     def combine(self, y, d, out, reduce):
         dest, splits, n_send, expert_map, ws = d.ctx
         part = nonempty(self.local_pair_rows(y, d.topk, expert_map, reduce).contiguous())
         back = nonempty(take(ws, "back", (n_send, part.shape[1]), part.dtype, part.device))
-        dist.all_to_all_single(
-            back,
-            part,
-            output_split_sizes=None if splits is None else splits[0],
-            input_split_sizes=None if splits is None else splits[1],
-            group=self.group,
-        )
+        all_to_all_rows(back, part, self.group, None if splits is None else splits[::-1])  # the way back
         gather_sum(back, dest, out)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from ...contract import Dispatched, TokenLayout, WeightedReduce, Workspace, take
+from ...contract import Dispatched, TokenLayout, Workspace, take
 from .base import EPDispatcher
 from .groups import all_gather_rows, reduce_scatter_rows
 
@@ -54,10 +54,8 @@ class AllGatherReduceScatterDispatcher(EPDispatcher):
         return ws
 
     def dispatch(self, x, topk, weights, *, expert_map=None, a1_scale=None, workspace=None) -> Dispatched:
-        self.check_inputs(x, topk, weights, expert_map, need_map=True)
+        bound, fits, ws = self.start_dispatch(x, topk, weights, expert_map, workspace, need_map=True)
         dev, t, w, h = x.device, x.shape[0], self.world, self.config.hidden_size
-        bound, fits = self.token_bound(t, workspace)
-        ws = workspace if fits else None
         self.last_mode = "variable" if bound is None else "fixed"
         if bound is None:  # nothing shared: exchange the token counts (the host sync)
             counts = torch.empty(w, dtype=torch.int64, device=dev)
@@ -73,19 +71,8 @@ class AllGatherReduceScatterDispatcher(EPDispatcher):
         recv = take(ws, "recv", (w * c, lay.row_bytes), torch.uint8, dev)
         all_gather_rows(recv, send, self.group)
         self.wire_bytes = (w * c * lay.row_bytes, w * c * h * x.element_size())
-        tk = self.received_topk(lay, recv)
-        n = w * c
-        if before:
-            parts = {f: lay.view(recv, f).contiguous() for f in lay.fields if f not in ("ids", "w")}
-            a = self.received(parts, weights, (n, h))
-        else:
-            xr = lay.view(recv, "x")  # the quantizers read strided rows; the experts get contiguous ones
-            a = self.quantize_rows(xr if self.scheme.a1 is not None else xr.contiguous(), tk, weights, a1_scale)
-        return Dispatched(a=a, topk=tk, counts=None, num_tokens=n, ctx=(t, c, expert_map, ws))
-
-    def output_shape(self, d, reduce):
-        h = self.config.hidden_size
-        return (d.num_tokens, h) if reduce is WeightedReduce.NONE else (d.num_tokens, self.config.top_k, h)
+        a, tk = self.receive_rows(lay, recv, weights, a1_scale)
+        return Dispatched(a=a, topk=tk, counts=None, num_tokens=w * c, ctx=(t, c, expert_map, ws))
 
     def combine(self, y, d, out, reduce):
         t, c, expert_map, ws = d.ctx

@@ -214,6 +214,15 @@ class EPDispatcher(Dispatcher):
             )
         return ws, True
 
+    def start_dispatch(
+        self, x: torch.Tensor, topk: TopK, weights, expert_map, workspace: dict | None, *, need_map: bool
+    ) -> tuple[int | None, bool, dict | None]:
+        """Every EP dispatch's start: ``check_inputs``, then (B, fits) of ``token_bound`` and the
+        workspace buffers are taken from (None when it does not hold B tokens: fresh ones)."""
+        self.check_inputs(x, topk, weights, expert_map, need_map=need_map)
+        bound, fits = self.token_bound(x.shape[0], workspace)
+        return bound, fits, workspace if fits else None
+
     def _verify_capacity(self, tokens: int) -> None:
         """Every rank's workspace must hold the same number of tokens: one all-reduce the first
         time a capacity is seen (eager); all ranks raise together if they differ."""
@@ -366,6 +375,21 @@ class EPDispatcher(Dispatcher):
         if "data" in parts:
             return QTensor(parts["data"], shape, scale=parts.get("scale", shared), global_scale=gscale)
         return QTensor(parts["x"], shape)
+
+    def receive_rows(self, lay: RowLayout, recv: torch.Tensor, weights, a1_scale=None) -> tuple[QTensor, TopK]:
+        """Standard layout: (activations [N, H], routing) of the N wire rows received in ``recv``:
+        the senders' quantized fields (``quantizes_before``), else x quantized here as scheme.a1."""
+        tk = self.received_topk(lay, recv)
+        if self.quantizes_before():
+            parts = {f: lay.view(recv, f).contiguous() for f in lay.fields if f not in ("ids", "w")}
+            return self.received(parts, weights, (recv.shape[0], self.config.hidden_size)), tk
+        xr = lay.view(recv, "x")  # the quantizers read strided rows; the experts get contiguous ones
+        return self.quantize_rows(xr if self.scheme.a1 is not None else xr.contiguous(), tk, weights, a1_scale), tk
+
+    def output_shape(self, d, reduce):
+        """Standard layout: [N, H], or [N, K, H] when combine does the weighted sum."""
+        h = self.config.hidden_size
+        return (d.num_tokens, h) if reduce is WeightedReduce.NONE else (d.num_tokens, self.config.top_k, h)
 
     # ---- checks ------------------------------------------------------------------
     def check_inputs(

@@ -120,6 +120,15 @@ def reduce_scatter_rows(out: torch.Tensor, inp: torch.Tensor, group: dist.Proces
     _reduce_scatter(out, inp, op=dist.ReduceOp.SUM, group=group)
 
 
+def all_to_all_rows(
+    out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, splits: tuple[list, list] | None = None
+) -> None:
+    """Block r of inp goes to rank r; out = the blocks every rank sent here, in rank order.
+    ``splits``: (rows sent to, rows received from) each rank; None: W equal blocks."""
+    sent, got = (None, None) if splits is None else splits
+    dist.all_to_all_single(out, inp, output_split_sizes=got, input_split_sizes=sent, group=group)
+
+
 # ---- expert placement --------------------------------------------------------
 @dataclass(frozen=True)
 class ExpertPlacement:
@@ -153,7 +162,6 @@ class ExpertPlacement:
         """Global ids owned by ``rank``, in local-id order."""
         mine = [e for e in range(self.num_experts) if self.owner[e] == rank]
         return sorted(mine, key=lambda e: self.local_id[e])
-
 
 
 def shard_experts(weights, experts: Sequence[int]):

@@ -130,13 +130,11 @@ class All2AllLowLatencyDispatcher(EPDispatcher):
 
     # ---- dispatch -----------------------------------------------------------
     def dispatch(self, x, topk, weights, *, expert_map=None, a1_scale=None, workspace=None) -> Dispatched:
-        self.check_inputs(x, topk, weights, expert_map, need_map=False)
+        bound, _, ws = self.start_dispatch(x, topk, weights, expert_map, workspace, need_map=False)
         dev = x.device
         t, k = topk.ids.shape
         c, w, e_l, h = self.capacity, self.world, self.num_local_experts, self.config.hidden_size
         m = w * c
-        bound, fits = self.token_bound(t, workspace)
-        ws = workspace if fits else None
         r = self.rows_per_rank(bound)
         overflow = bound is None or bound > c
         before = self.quantizes_before()
