@@ -130,3 +130,24 @@ def test_public_face():
         fused_moe,
         select_experts,
     )
+
+
+LONG_FUNCTION = 80  # lines; a longer one says why in a "# N lines: ..." comment at its top
+
+
+def test_long_functions_say_why():
+    unexplained = []
+    for module, path in MODULES.items():
+        lines = path.read_text().splitlines()
+        for node in ast.walk(ast.parse("\n".join(lines))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                size = node.end_lineno - node.lineno + 1
+                head = lines[node.lineno - 1 : node.body[0].end_lineno + 2]
+                if size > LONG_FUNCTION and not any(" lines: " in line.strip()[:14] for line in head):
+                    unexplained.append(f"fusedmoe.{module}.{node.name} ({size} lines)")
+    assert not unexplained, f"functions over {LONG_FUNCTION} lines without a reason comment: {unexplained}"
+
+
+def test_files_are_small():
+    big = [f"fusedmoe.{m} ({n} lines)" for m, p in MODULES.items() if (n := len(p.read_text().splitlines())) > 800]
+    assert not big, big

@@ -244,6 +244,7 @@ def _cmd_tune(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # 101 lines: the argparse tree of every subcommand, declarations only; one place lists every flag.
     debug = argparse.ArgumentParser(add_help=False)
     debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     p = _Parser(prog="fusedmoe", description="Fused Mixture-of-Experts kernels.", parents=[debug])

@@ -55,6 +55,8 @@ def _activation(cfg: dict) -> Activation:
 
 def describe(cfg: dict, dtype: torch.dtype | None = None) -> MoEArch:
     """The MoE layout of a model from its config.json (one of the supported model types)."""
+    # 81 lines: one rule per supported model type, read top to bottom as a table; split, the per-type rules would
+    # scatter.
     mt = cfg.get("model_type")
     n = int(_get(cfg, "num_hidden_layers"))
     h = int(_get(cfg, "hidden_size"))

@@ -132,6 +132,8 @@ def _w_tile(
     Dot path: the [BK, BN] dot operand, the stored bytes (NATIVE) or the values dequantized
     to DOT_DTYPE with per-K scales folded in. FMA: the dequantized fp32 values as stored,
     [BN, BK] (every format takes the dequantizing branch; NATIVE is False there)."""
+    # 82 lines: one @triton.jit helper with a constexpr branch per weight format (float, fp8/int8, int4, MXFP4, NVFP4,
+    # act-order); only one branch is compiled per launch.
     W_PACKED: tl.constexpr = W_FMT == "int4" or W_FMT == "mxfp4" or W_FMT == "nvfp4"
     if (NATIVE or W_FMT == "float") and not FMA:
         b = tl.load(
@@ -372,6 +374,8 @@ def _grouped_gemm_kernel(
     GROUP_M: tl.constexpr,
 ):
     # Walk GROUP_M row tiles per column tile so consecutive programs share W[e] in L2.
+    # 199 lines: one Triton kernel whose signature is the pointers and strides of every operand; address set-up, K
+    # loop and epilogue are @triton.jit helpers, what is left is their wiring.
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * num_n

@@ -309,6 +309,8 @@ def _persistent_gemm_kernel(
 ):
     # One body for every layout and format: the branches are constexpr, so each compiled
     # variant holds only its own path (the old kernel is organised the same way).
+    # 143 lines: one Triton kernel: descriptors, the tile loop and the epilogue share the persistent program's state;
+    # the per-tile pieces are @triton.jit helpers.
     WIDE: tl.constexpr = GATED and INTERLEAVED  # one [BM, 2BN] accumulator, split after the K loop
     BNL: tl.constexpr = 2 * BLOCK_N if WIDE else BLOCK_N  # W rows per descriptor load
     A_PER_K: tl.constexpr = A_GROUP > 0

@@ -359,6 +359,8 @@ def _w4_gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):  # fmt: skip
+    # 119 lines: one Triton kernel; the unpack, the FMA/dot paths and the split-K epilogue are constexpr branches and
+    # @triton.jit helpers.
     pid_m, pid_n = _w4_tile_ids(tl.program_id(0), num_m_blocks, N, BLOCK_N, GROUP_M)
     pid_k = tl.program_id(1)
     e, idle, row_ok, a_rows, c_rows = _w4_rows(

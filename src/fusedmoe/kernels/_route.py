@@ -67,6 +67,8 @@ def _route_kernel(
     SP: tl.constexpr,  # next power of 2 >= S
     KP: tl.constexpr,  # next power of 2 >= K
 ):
+    # 105 lines: one Triton kernel: each scoring and grouped top-k variant is a constexpr branch over the same row in
+    # registers.
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < T
     g = tl.arange(0, GP)

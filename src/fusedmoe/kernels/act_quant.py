@@ -88,6 +88,8 @@ def act_quant_launch(
     (their output rows keep whatever they held) and a per-tensor dynamic scale covers only
     the rows computed.
     """
+    # 101 lines: maps every tensor to the kernel's pointers, strides and constexprs in its argument order; split, that
+    # order would be spread over several functions.
     expect(x.dim() == 2, "x", "a [M, K] tensor", tuple(x.shape))
     expect(x.dtype in _NATIVE_DTYPES, "x", f"one of {_NATIVE_DTYPES}", x.dtype)
     x = x if x.stride(-1) == 1 else x.contiguous()

@@ -58,6 +58,8 @@ def moe_align_launch(
     pairs per program; tests use small chunks to cover many programs. ``one_launch``:
     None picks as just said; False forces the three kernels even for one chunk; True
     requires one chunk. Both give the same outputs."""
+    # 113 lines: allocates the outputs and maps them to the two kernels' arguments in their order; split, that order
+    # would be spread over several functions.
     t, k = topk_ids.shape
     num_pairs = t * k
     num_slots = AlignedRouting.max_padded(num_pairs, num_local_experts, block_m)

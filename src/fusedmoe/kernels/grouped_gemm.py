@@ -80,6 +80,8 @@ def grouped_gemm_launch(
     columns of the activation output C. ``cfg.persistent``: the persistent TMA kernel
     (``grouped_gemm_persistent``) where it serves the call, else this one.
     """
+    # 156 lines: maps every operand to the kernel's ~70 pointers, strides and constexprs in its argument order; split,
+    # that order would be spread over several functions.
     if is_w4(w.q):  # converted at load (quant.w4_layout): the 4-bit kernel
         w4_gemm_launch(
             a, w, c, fmt, cfg, routing=routing, counts=counts, a_div=a_div, bias=bias, route_weights=route_weights,

@@ -81,6 +81,8 @@ def route_launch(
     power of 2; tests use it to cover both one and several rows per program). ``out``:
     the ids int32 [T, K] and weights float32 [T, K] to write (contiguous).
     """
+    # 89 lines: maps the router's inputs and every routing option to the kernel's arguments in their order; split,
+    # that order would be spread over several functions.
     expect(logits.dim() == 2 and logits.is_floating_point(), "logits", "a floating tensor [T, E]", logits.shape)
     t, e = logits.shape
     k = top_k
