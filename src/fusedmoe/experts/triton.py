@@ -20,10 +20,7 @@ became 235 MB, the layer 3,163 -> 2,965 us; the activation is rounded to the mod
 before Q_a2). Per-row dynamic scales (per token, 1x128 groups, MX/NV blocks) keep GEMM1 plain
 and ``act_and_quantize`` (one pass): GEMM1 with the activation takes half the tile width, and
 that was slower at a few hundred tokens (fp8 blocks, T = 256: Qwen3 276 -> 321 us, gpt-oss
-405 -> 472 us with the activation in GEMM1). The exception is the fp8-block scheme's a2 (fp8,
-dynamic 1 x 128 groups) at prefill: where GEMM1 runs on the persistent kernel and its halved
-tile still holds whole groups, that kernel's epilogue applies the activation and writes the
-fp8 codes and group scales (``_gemm1_group_quant``), so h is neither written nor read.
+405 -> 472 us with the activation in GEMM1).
 ``FUSEDMOE_FUSE_ACT=0`` (read when the experts are built) or ``experts.fuse_act = False``
 turns the fusion off, for comparison. The fused GEMM1 takes the plain GEMM1's launch
 config with BN halved (``gated_act_config``), so a program reads the same W13 rows.
@@ -77,11 +74,9 @@ from ..kernels.act_quant import act_and_quantize, quantize_activations
 from ..kernels.align import moe_align
 from ..kernels.gemm_format import ActEpilogue, GemmFormat, scheme_key
 from ..kernels.grouped_gemm import grouped_gemm, grouped_gemm_batched
-from ..kernels.grouped_gemm_persistent import GroupQuantEpilogue, persistent_gemm_launch
-from ..kernels.grouped_gemm_persistent import supports as persistent_supports
 from ..kernels.grouped_gemm_w4 import supports as w4_supports
 from ..kernels.grouped_gemm_w4 import w4_gemm_launch, w4_launch_config
-from ..kernels.launch_config import LaunchConfig, fit_launch_config, gated_act_config, pick_launch_config
+from ..kernels.launch_config import LaunchConfig, gated_act_config, pick_launch_config
 from ..kernels.moe_sum import moe_sum
 from ..metadata import int32_ids
 from ..quant import Operand, QTensor
@@ -175,10 +170,6 @@ class _TritonBase(Experts):
             self._epilogue = ActEpilogue.of(config, scheme.a2)
         elif _tensor_dynamic(scheme.a2):
             self._epilogue = ActEpilogue.of(config, None)
-        # fp8 1 x g groups of a2 (the fp8-block scheme): quantized in GEMM1's epilogue where the
-        # persistent kernel runs GEMM1 (prefill configs), else by act_and_quantize
-        group = GroupQuantEpilogue.supports(scheme.a2) and not ActEpilogue.supports(scheme.a2)
-        self._group_ep = GroupQuantEpilogue.of(config, scheme.a2) if group else None
         self._plans: dict[tuple, _Plan] = {}
         # 4-bit weights the w4 kernel runs (converted by prepare_weights); None: why not
         why = w4_supports(scheme.w1, scheme.a1, config.dtype) or w4_supports(scheme.w2, scheme.a2, config.dtype)
@@ -253,26 +244,6 @@ class _TritonBase(Experts):
             return quantize_activations(data, sch.a2, out=a2_out, row_mask=row_mask, **weights.act_scales("a2", sch.a2))
         return QTensor(data, (rows, i), scale=None if scale is None else scale.reshape(1, 1).float())
 
-    def _gemm1_group_quant(self, a, weights, lc1, routing, a_div: int, rows: int, workspace) -> QTensor | None:
-        """a2 [rows, I] as fp8 codes with 1 x g scales straight from GEMM1's epilogue (the persistent
-        kernel, at prefill configs), or None where that kernel does not serve the call: GEMM1 then
-        writes h and act_and_quantize follows. Saves h's write and read: [T*K, 2I] in the model dtype
-        (Mixtral at T = 4096: 470 MB each way)."""
-        if not lc1.persistent or is_w4(weights.w13):
-            return None
-        cfg, sch, ep = self.config, self.scheme, self._group_ep
-        i, dev, g = cfg.intermediate_size, a.data.device, sch.a2.granularity.group_size
-        fmt = GemmFormat.of(sch.w1, sch.a1, cfg.w13_rows, cfg.hidden_size, weights.w13.zero is not None)
-        lc = fit_launch_config(gated_act_config(lc1) if ep.activation.is_gated else lc1, fmt.k_group, strict=fmt.native)
-        data = take(workspace, "a2", (rows, i), torch.float8_e4m3fn, dev)
-        if persistent_supports(fmt, ep, a=a.data, w=weights.w13, c=data, cfg=lc, routing=routing):
-            return None  # e.g. BN / epilogue_subtile not a multiple of g once halved for the activation
-        scale = take(workspace, "a2_scale", (rows, -(-i // g)), torch.float32, dev)
-        a_op, w_op = Operand(a, sch.a1), Operand(weights.w13, sch.w1)
-        kw = dict(routing=routing, a_div=a_div, bias=weights.b13, act=ep, act_scale=scale)
-        persistent_gemm_launch(a_op, w_op, data, fmt, lc, **kw)
-        return QTensor(data, (rows, i), scale=scale)
-
     def _workspace(self, rows: int) -> Workspace:
         c, ep = self.config, self.act_epilogue()
         shapes = {}
@@ -318,13 +289,10 @@ class TritonExperts(_TritonBase):
         routing = moe_align(ids, e_l, plan.lc1.block_m, expert_map)
         ep = self.act_epilogue()
         local_pairs = partial(_local_pairs, ids, e_l, expert_map)
-        a2 = None
-        if ep is None and self._group_ep is not None and self.fuse_act:
-            a2 = self._gemm1_group_quant(a, weights, plan.lc1, routing, k, pairs, workspace)
-        if a2 is None and ep is not None:
+        if ep is not None:
             kw = dict(routing=routing, a_div=k, config=plan.lc1)
             a2 = self._gemm1_act(a, weights, ep, pairs, workspace, grouped_gemm, local_pairs, **kw)
-        elif a2 is None:
+        else:
             h = take(workspace, "h", (pairs, cfg.w13_rows), cfg.dtype, dev)
             row_mask = _unwritten_rows(h, sch.a2, local_pairs)
             w13 = Operand(weights.w13, sch.w1)
