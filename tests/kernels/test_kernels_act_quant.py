@@ -276,29 +276,9 @@ def test_moe_sum(t, k, h, with_map):
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
 
 
-@pytest.fixture(params=["one_program", "two_passes"])
-def tensor_passes(request, monkeypatch):
-    """A per-tensor dynamic scale computed both ways: PASS 0 (one program sweeps the tensor twice,
-    for small tensors) or PASS 1 + 2 over the grid (``act_quant.ONE_PROGRAM_ELEMS``)."""
-    from fusedmoe.kernels import act_quant
-
-    monkeypatch.setattr(act_quant, "ONE_PROGRAM_ELEMS", 1 << 40 if request.param == "one_program" else 0)
-    return request.param
-
-
-@needs_triton
-@pytest.mark.parametrize("m,i", [(1, 128), (19, 128), (37, 96)])
-@pytest.mark.parametrize("a2", ["fp8_tensor", "int8_tensor"])
-@pytest.mark.parametrize(
-    "act,interleaved", [(Activation.SILU, False), (Activation.SWIGLUOAI, True)], ids=["silu", "swigluoai_il"]
-)
-def test_tensor_scale_both_ways(tensor_passes, act, interleaved, a2, m, i):
-    _run_act(act, interleaved, a2, m=m, i=i, seed=m)
-
-
 @needs_triton
 @pytest.mark.parametrize("a2", ["fp8_tensor", "int8_tensor", "fp8_token", "none"])
-def test_act_and_quantize_row_mask(tensor_passes, a2):
+def test_act_and_quantize_row_mask(a2):
     """Masked-out rows hold garbage (inf, NaN) that a per-tensor scale must not see; the kernel
     leaves their output rows as they were and computes the others as the reference of the rows kept."""
     cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=64, intermediate_size=128)

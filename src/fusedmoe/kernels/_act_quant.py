@@ -9,9 +9,7 @@ plain ``/`` is approximate on NVIDIA GPUs: 30% of 1M random fp32 quotients came 
 
 Per-tensor dynamic scales take two launches over the same grid (CUDA-graph safe:
 a memset, two kernels, no host sync): PASS 1 folds each tile's amax into one fp32
-with ``atomic_max``, PASS 2 reads it and quantizes. A tensor small enough for one
-program (decode: ``act_quant.ONE_PROGRAM_ELEMS``) takes PASS 0 instead: one program
-sweeps it twice, for the amax and then to quantize (one launch instead of three).
+with ``atomic_max``, PASS 2 reads it and quantizes.
 
 NaN policy (``fusedmoe.quant``'s): a NaN makes the fp8/int8 scale it shares NaN (only an
 all-zero amax gives 1) and the nvfp4 block scale NaN, so what shares that scale dequantizes
@@ -79,15 +77,6 @@ def _activation(x_ptr, rows, cols, mask, stride_xm, I, alpha, limit, ACT: tl.con
 
 
 @triton.jit
-def _row_ok(rmask_ptr, rows, M, ROW_MASK: tl.constexpr):
-    """Which of ``rows`` exist (< M) and, with ROW_MASK, are to be computed."""
-    ok = rows < M
-    if ROW_MASK:
-        ok = ok & (tl.load(rmask_ptr + rows, mask=ok, other=0) != 0)
-    return ok
-
-
-@triton.jit
 def _abs_bits(v):
     """int32 bits of |v| (fp32): their integer max is the abs-max with NaN kept (module docstring)."""
     return v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
@@ -131,32 +120,13 @@ def _act_quant_kernel(
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = _row_ok(rmask_ptr, rows, M, ROW_MASK)
+    row_ok = rows < M
+    if ROW_MASK:
+        row_ok = row_ok & (tl.load(rmask_ptr + rows, mask=row_ok, other=0) != 0)
     q_row = q_ptr + rows[:, None].to(tl.int64) * stride_qm
     s_row = s_ptr + rows.to(tl.int64) * stride_sm
 
-    if PASS == 0:  # per-tensor dynamic, one program: the amax sweep, then the quantize sweep
-        amax = tl.zeros([BLOCK_M], dtype=tl.int32)  # _abs_bits
-        for m0 in range(0, M, BLOCK_M):
-            r = m0 + tl.arange(0, BLOCK_M)
-            r_ok = _row_ok(rmask_ptr, r, M, ROW_MASK)
-            for k0 in range(0, I, BLOCK_K):
-                cols = k0 + tl.arange(0, BLOCK_K)
-                mask = r_ok[:, None] & (cols < I)[None, :]
-                v = _activation(x_ptr, r, cols, mask, stride_xm, I, alpha, limit, ACT, INTERLEAVED)
-                amax = tl.maximum(amax, tl.max(tl.where(mask, _abs_bits(v), 0), axis=1))
-        s = _scale_of(tl.max(amax, axis=0).to(tl.float32, bitcast=True), QUANT)
-        tl.store(s_ptr, s)
-        for m0 in range(0, M, BLOCK_M):
-            r = m0 + tl.arange(0, BLOCK_M)
-            r_ok = _row_ok(rmask_ptr, r, M, ROW_MASK)
-            for k0 in range(0, I, BLOCK_K):
-                cols = k0 + tl.arange(0, BLOCK_K)
-                mask = r_ok[:, None] & (cols < I)[None, :]
-                v = _activation(x_ptr, r, cols, mask, stride_xm, I, alpha, limit, ACT, INTERLEAVED)
-                q = q_ptr + r[:, None].to(tl.int64) * stride_qm + cols[None, :]
-                tl.store(q, _quant_linear(v, s, QUANT, EXACT_CAST), mask=mask)
-    elif SCALE == "token":
+    if SCALE == "token":
         amax = tl.zeros([BLOCK_M], dtype=tl.int32)  # _abs_bits
         for k0 in range(0, I, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)

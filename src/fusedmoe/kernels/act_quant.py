@@ -32,13 +32,6 @@ _QUANT = {QDtype.FP8: "fp8", QDtype.INT8: "int8", QDtype.MXFP8: "mxfp8", QDtype.
 _NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-# A per-tensor dynamic scale over at most this many values is one program's work (PASS 0): at
-# decode the tensors are small (T = 1: a1 [1, H] of 2-7K values, a2 [K, I] of 6-29K on the
-# shipped presets), and one program sweeping them twice costs less than the memset and the second
-# launch it saves (~2.5 us each in a CUDA graph on an H100); 32K bf16 values are 64 KiB per sweep.
-ONE_PROGRAM_ELEMS = 32768
-
-
 def _tiles(scale_kind: str, group: int, m: int) -> tuple[int, int]:
     """(BM, BK). Memory-bound: a GPU program moves 8 x 256 values (4 KiB of bf16 in);
     the interpreter pays ~5 ms per program, so it takes whole tiny problems at once."""
@@ -87,8 +80,7 @@ def act_quant_launch(
     out: QTensor | torch.Tensor | None = None,
     row_mask: torch.Tensor | None = None,
 ) -> QTensor | torch.Tensor:
-    """Launch ``_act_quant_kernel`` (twice for per-tensor dynamic scales over more than
-    ``ONE_PROGRAM_ELEMS`` values).
+    """Launch ``_act_quant_kernel`` (twice for per-tensor dynamic scales).
 
     ``activation`` is an ``Activation`` value or "none" (plain quantization of ``x``).
     ``out``: buffers to write (what this function returns; allocated when None).
@@ -138,11 +130,8 @@ def act_quant_launch(
         s_out.fill_(1.0)  # the amax of nothing is 0, whose scale is 1 (quant.linear)
     if m > 0 and cols > 0:
         bm, bk = _tiles(kind, group, m)
-        one_program = kind == "tensor_dyn" and m * cols <= ONE_PROGRAM_ELEMS
         grid = (triton.cdiv(m, bm), 1 if kind == "token" else triton.cdiv(cols, bk))
-        grid = (1, 1) if one_program else grid
-        two_pass = kind == "tensor_dyn" and not one_program
-        amax = torch.zeros(1, dtype=torch.float32, device=dev) if two_pass else data
+        amax = torch.zeros(1, dtype=torch.float32, device=dev) if kind == "tensor_dyn" else data
         s_arg = data if s_out is None else s_out.view(torch.uint8) if s_out.dtype == torch.float8_e4m3fn else s_out
         q_arg = data.view(torch.uint8) if data.dtype == torch.float8_e4m3fn else data
         args = (
@@ -172,9 +161,9 @@ def act_quant_launch(
             BLOCK_K=bk,
             num_warps=4,
         )
-        if two_pass:
+        if kind == "tensor_dyn":
             launch(_act_quant_kernel, grid, *args, PASS=1, **meta)
-        launch(_act_quant_kernel, grid, *args, PASS=0 if one_program else 2, **meta)
+        launch(_act_quant_kernel, grid, *args, PASS=2, **meta)
     if quant == "none":
         return data
     return QTensor(
