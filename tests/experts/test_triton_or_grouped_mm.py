@@ -18,11 +18,18 @@ CONFIG = MoEConfig(num_experts=4, top_k=2, hidden_size=64, intermediate_size=32)
 SM90 = Platform.simulated("sm90")
 
 
+def _arch_rule(monkeypatch, family: str, rule) -> None:
+    """Make the sm90 row apply to the simulated sm90 platform (an H100 by name, whose own row
+    would win over its arch's)."""
+    monkeypatch.delitem(thresholds.GROUPED_MM_CROSSOVER, (Platform.simulated("sm90").name, family), raising=False)
+    monkeypatch.setitem(thresholds.GROUPED_MM_CROSSOVER, ("sm90", family), rule)
+
+
 @pytest.fixture
 def rule(monkeypatch):
     # 8 tokens per expert: E=4, K=2 -> from T=16 on grouped_mm
     r = thresholds.Crossover(tokens_per_expert=8, min_intermediate_size=32)
-    monkeypatch.setitem(thresholds.GROUPED_MM_CROSSOVER, ("sm90", "unquantized"), r)
+    _arch_rule(monkeypatch, "unquantized", r)
     return r
 
 
@@ -55,11 +62,16 @@ def test_refusals_name_the_part(rule):
     )
 
 
-def test_shipped_sm90_rule_keeps_triton_first():
+def test_shipped_h100_row_keeps_triton_first():
     """Measured on an H100 with the persistent kernel: triton first at every size (thresholds.py)."""
+    import dataclasses
+
     wide = MoEConfig(8, 2, 4096, 14336)
-    why = TritonOrGroupedMMExperts.why_not(wide, QuantScheme.unquantized(), SM90)
-    assert "triton was faster at every size measured on sm90 unquantized, up to 4096 tokens" in why
+    h100 = dataclasses.replace(SM90, name="NVIDIA H100 80GB HBM3")
+    why = TritonOrGroupedMMExperts.why_not(wide, QuantScheme.unquantized(), h100)
+    assert "triton was faster at every size measured on NVIDIA H100 80GB HBM3 unquantized, up to 4096" in why
+    h200 = dataclasses.replace(SM90, name="NVIDIA H200")  # no row of its own: the sm90 rule
+    assert TritonOrGroupedMMExperts.why_not(wide, QuantScheme.unquantized(), h200) is None
 
 
 @pytest.mark.gpu
@@ -69,12 +81,14 @@ def test_rule_on_gpu(monkeypatch, sname):
     the scheme's tolerance (the shipped sm90 rows keep triton first: a rule is set here)."""
     from fusedmoe.platform import current_platform
 
+    plat = current_platform()
     for family in ("unquantized", "fp8"):
         rule = thresholds.Crossover(tokens_per_expert=64, min_intermediate_size=8192)
-        monkeypatch.setitem(thresholds.GROUPED_MM_CROSSOVER, ("sm90", family), rule)
+        for who in (plat.arch, plat.name):  # a GPU's own row wins over its arch's
+            monkeypatch.setitem(thresholds.GROUPED_MM_CROSSOVER, (who, family), rule)
     cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=1024, intermediate_size=8192)
     scheme = QuantScheme.by_name(sname)
-    ex = TritonOrGroupedMMExperts(cfg, scheme, platform=current_platform())
+    ex = TritonOrGroupedMMExperts(cfg, scheme, platform=plat)
     for t, part in ((16, ex.triton), (4096, ex.grouped_mm)):
         assert ex.part_for(t) is part
         p = make_problem(cfg, scheme, t, device="cuda")

@@ -121,6 +121,13 @@ def _config(variant: str) -> MoEConfig:
     return MoEConfig(8, 2, 1024, 512)
 
 
+def _arch_rule(monkeypatch, family: str, rule) -> None:
+    """Make the sm90 row apply to the simulated sm90 platform (an H100 by name, whose own row
+    would win over its arch's)."""
+    monkeypatch.delitem(thresholds.GROUPED_MM_CROSSOVER, (Platform.simulated("sm90").name, family), raising=False)
+    monkeypatch.setitem(thresholds.GROUPED_MM_CROSSOVER, ("sm90", family), rule)
+
+
 def _select(variant, label, packages=(), **kw):
     plat = Platform.simulated(label).with_packages(*packages)
     return select_experts(_config(variant), SCHEMES[VARIANTS[variant]], platform=plat, **kw)
@@ -271,24 +278,32 @@ def test_skip_list_and_the_next_candidate(monkeypatch):
 
 
 def test_shape_rule_defaults_to_triton(monkeypatch):
-    monkeypatch.setitem(thresholds.GROUPED_MM_CROSSOVER, ("sm90", "unquantized"), None)
+    _arch_rule(monkeypatch, "unquantized", None)
     c = _select("unquantized", "sm90", num_tokens=100_000)
     assert c.backend == "triton" and "no measured crossover for sm90 unquantized" in c.explain()
     assert dict(c.verdicts)["triton_or_grouped_mm"].startswith("no triton/grouped_mm crossover")
 
 
-def test_shipped_sm90_rows_keep_triton_first():
+def test_shipped_rows_h100_own_row_wins_over_sm90():
+    """The H100's row (measured with the persistent kernel): triton first at every size; another
+    sm90 GPU (the H200, whose tables predate that kernel) keeps the sm90 rule measured on it."""
+    import dataclasses
+
     wide = MoEConfig(8, 2, 4096, 14336)
+    h100 = dataclasses.replace(Platform.simulated("sm90"), name="NVIDIA H100 80GB HBM3")
     for sname in ("bf16", "fp8_tensor"):
-        c = select_experts(wide, QuantScheme.by_name(sname), platform=Platform.simulated("sm90"), num_tokens=16384)
+        c = select_experts(wide, QuantScheme.by_name(sname), platform=h100, num_tokens=16384)
         assert c.backend == "triton", c.explain()
-        assert "triton was faster at every size measured on sm90" in c.explain()
+        assert "triton was faster at every size measured on NVIDIA H100 80GB HBM3" in c.explain()
+    h200 = dataclasses.replace(h100, name="NVIDIA H200")  # no row of its own: the sm90 rule
+    other = select_experts(wide, QuantScheme.by_name("fp8_tensor"), platform=h200, num_tokens=4096)
+    assert other.backend == "triton_or_grouped_mm" and "crossover 64 on sm90" in other.explain()
 
 
 def test_measured_crossover_picks_the_per_call_backend(monkeypatch):
     for family in ("unquantized", "fp8"):
         rule = thresholds.Crossover(tokens_per_expert=64, min_intermediate_size=8192)
-        monkeypatch.setitem(thresholds.GROUPED_MM_CROSSOVER, ("sm90", family), rule)
+        _arch_rule(monkeypatch, family, rule)
     wide = MoEConfig(8, 2, 4096, 14336)
     plat = Platform.simulated("sm90")
     for scheme in (QuantScheme.unquantized(), QuantScheme.by_name("fp8_tensor")):
@@ -305,7 +320,7 @@ def test_measured_crossover_picks_the_per_call_backend(monkeypatch):
 
 def test_shape_rule_uses_the_table(monkeypatch):
     rule = thresholds.Crossover(tokens_per_expert=64, min_intermediate_size=512)
-    monkeypatch.setitem(thresholds.GROUPED_MM_CROSSOVER, ("sm90", "unquantized"), rule)
+    _arch_rule(monkeypatch, "unquantized", rule)
     # E=8, K=2: 256 tokens = 64 per expert
     below = _select("unquantized", "sm90", num_tokens=255)
     assert below.backend == "triton_or_grouped_mm" and "triton before grouped_mm (63.75 tokens" in below.explain()

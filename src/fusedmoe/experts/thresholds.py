@@ -27,9 +27,10 @@ tables tuned for it. Measured again on an H100 (2026-11-25, the same bench with 
 backends as providers, benchmarks/results/layer_h100_crossover_2026-11-25.md), grouped_mm's
 time over triton's at T = 1-16384 (up to 4096 tokens per expert) on the four presets:
 bf16 1.01-1.88, fp8 per-tensor 1.02-1.86 except DeepSeek-V3 at 8 and 32 tokens per expert
-(0.92, 0.97). Triton is now first at every size on sm90 (``Crossover(None, ...)``); the
-H200 shares the sm90 row, though its tables predate the persistent kernel; sm100 is not
-measured.
+(0.92, 0.97). Triton is now first at every size on the H100 (its own row,
+``Crossover(None, ...)``). A GPU's own row wins over its architecture's: the H200's tables
+predate the persistent kernel, so it keeps the sm90 rule measured on it on 2026-11-21 until
+it is re-tuned and re-measured; sm100 is not measured.
 """
 
 from __future__ import annotations
@@ -51,11 +52,16 @@ class Crossover:
     measured_up_to: int = 0
 
 
-# (platform arch, scheme family) -> Crossover, or None: triton first at every size (not measured
-# yet). Fill from `fusedmoe bench` on that GPU, with the run that measured it next to the number.
+# (GPU name or platform arch, scheme family) -> Crossover, or None: triton first at every size
+# (not measured yet); the GPU's row wins over its arch's. Fill from `fusedmoe bench --providers
+# fusedmoe,triton,grouped_mm` on that GPU, with the run that measured it next to the number.
 GROUPED_MM_CROSSOVER: dict[tuple[str, str], Crossover | None] = {
-    ("sm90", "unquantized"): Crossover(tokens_per_expert=None, measured_up_to=4096),
-    ("sm90", "fp8"): Crossover(tokens_per_expert=None, measured_up_to=4096),
+    # H100, 2026-11-25, tables tuned with the persistent kernel (layer_h100_crossover_2026-11-25)
+    ("NVIDIA H100 80GB HBM3", "unquantized"): Crossover(tokens_per_expert=None, measured_up_to=4096),
+    ("NVIDIA H100 80GB HBM3", "fp8"): Crossover(tokens_per_expert=None, measured_up_to=4096),
+    # H200, 2026-11-21, tables without the persistent kernel (layer_h200_graphs_2026-11-21)
+    ("sm90", "unquantized"): Crossover(tokens_per_expert=1024, min_intermediate_size=8192),
+    ("sm90", "fp8"): Crossover(tokens_per_expert=64, min_intermediate_size=8192),
     ("sm100", "unquantized"): None,
     ("sm100", "fp8"): None,
 }
@@ -66,9 +72,16 @@ def tokens_per_expert(config: MoEConfig, num_tokens: int) -> float:
     return num_tokens * config.top_k / config.num_experts
 
 
+def _row(platform: Platform, scheme: QuantScheme) -> tuple[str, Crossover | None]:
+    """(whose row, the rule): the GPU's own row, else its architecture's."""
+    if (platform.name, scheme.family) in GROUPED_MM_CROSSOVER:
+        return platform.name, GROUPED_MM_CROSSOVER[(platform.name, scheme.family)]
+    return platform.arch, GROUPED_MM_CROSSOVER.get((platform.arch, scheme.family))
+
+
 def crossover_for(platform: Platform, scheme: QuantScheme, config: MoEConfig) -> Crossover | None:
     """The measured crossover that applies to this platform, scheme family and I, or None."""
-    rule = GROUPED_MM_CROSSOVER.get((platform.arch, scheme.family))
+    rule = _row(platform, scheme)[1]
     if rule is None or rule.tokens_per_expert is None or config.intermediate_size < rule.min_intermediate_size:
         return None
     return rule
@@ -76,8 +89,8 @@ def crossover_for(platform: Platform, scheme: QuantScheme, config: MoEConfig) ->
 
 def no_crossover(platform: Platform, scheme: QuantScheme, config: MoEConfig) -> str:
     """Why no crossover applies (``crossover_for`` gave None), in words."""
-    key = (platform.arch, scheme.family)
-    rule = GROUPED_MM_CROSSOVER.get(key)
+    who, rule = _row(platform, scheme)
+    key = (who, scheme.family)
     if rule is not None and rule.tokens_per_expert is None:
         up_to = rule.measured_up_to
         return f"triton was faster at every size measured on {key[0]} {key[1]}, up to {up_to} tokens per expert"
@@ -90,7 +103,7 @@ def grouped_mm_first(
     platform: Platform, scheme: QuantScheme, config: MoEConfig, num_tokens: int | None
 ) -> tuple[bool, str]:
     """(whether to try grouped_mm before triton, the rule in words for the explanation)."""
-    key = (platform.arch, scheme.family)
+    key = (_row(platform, scheme)[0], scheme.family)
     rule = crossover_for(platform, scheme, config)
     if rule is None:
         return False, f"shape rule: triton before grouped_mm ({no_crossover(platform, scheme, config)})"
