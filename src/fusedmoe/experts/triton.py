@@ -78,7 +78,7 @@ from ..kernels.grouped_gemm_w4 import supports as w4_supports
 from ..kernels.grouped_gemm_w4 import w4_gemm_launch, w4_launch_config
 from ..kernels.launch_config import LaunchConfig, gated_act_config, pick_launch_config
 from ..kernels.moe_sum import moe_sum
-from ..metadata import int32_ids
+from ..metadata import int32_ids, local_expert_ids
 from ..quant import Operand, QTensor
 from ..quant.w4_layout import convertible, from_w4_weights, is_w4, to_w4_weights
 from .base import ALL_SCHEMES, Capabilities, Experts
@@ -101,11 +101,7 @@ _MASK_OVER_FILL_BYTES = 48 << 20
 
 def _local_pairs(ids: torch.Tensor, num_local_experts: int, expert_map: torch.Tensor | None) -> torch.Tensor:
     """bool [T*K]: the pairs whose expert runs here, the rows of h that GEMM1 writes."""
-    ids = ids.reshape(-1)
-    if expert_map is None:
-        return (ids >= 0) & (ids < num_local_experts)
-    n = expert_map.shape[0]
-    return (ids >= 0) & (ids < n) & (expert_map[ids.clamp(0, n - 1).long()] >= 0)
+    return local_expert_ids(ids.reshape(-1), expert_map, num_local_experts) >= 0
 
 
 def _unwritten_rows(h: torch.Tensor, tq, local_pairs) -> torch.Tensor | None:
