@@ -25,7 +25,6 @@ Every compile or run failure is caught and recorded (one line) and the run goes 
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import sys
@@ -47,7 +46,7 @@ from fusedmoe.kernels.grouped_gemm import grouped_gemm
 from fusedmoe.kernels.grouped_gemm_w4 import fit_w4_config, w4_gemm_launch, w4_launch_config  # noqa: E402
 from fusedmoe.kernels.launch_config import LaunchConfig, gated_act_config, pick_launch_config  # noqa: E402
 from fusedmoe.kernels.moe_sum import moe_sum  # noqa: E402
-from fusedmoe.quant import QuantScheme, dequantize, quantize  # noqa: E402
+from fusedmoe.quant import Operand, QuantScheme, dequantize, quantize  # noqa: E402
 from fusedmoe.quant.scheme import shape_supported  # noqa: E402
 from fusedmoe.quant.w4_layout import to_w4  # noqa: E402
 from fusedmoe.testing import random_topk, rel_error, tolerance  # noqa: E402
@@ -86,12 +85,14 @@ def cfg_str(c: LaunchConfig) -> str:
     return f"{c.block_m},{c.block_n},{c.block_k},{c.group_m},{c.num_warps},{c.num_stages},{c.split_k},{c.w_major}"
 
 
-def variants(gemm: str, rows: float, dflt: LaunchConfig, w_fmt: str) -> list[tuple[str, LaunchConfig, bool]]:
+def variants(gemm: str, rows: float, dflt: LaunchConfig, w_fmt: str) -> list[tuple[str, LaunchConfig, bool, bool]]:
     """Named w4 configs for a GEMM at ``rows`` routed rows per expert: the heuristic's pick
     (``dflt``) and up to 4 alternatives measured close to it on an H100, plus, for the e2m1
     formats, the pick on the layout with twice the default pack block (``alt`` True: halves of
     more scale groups, fewer and longer dots and FMA steps). BN counts C's columns (a gated
-    GEMM1's BN 64 reads as many W rows as GEMM2's BN 128)."""
+    GEMM1's BN 64 reads as many W rows as GEMM2's BN 128). Each entry: (name, config, alt,
+    portable); ``portable``: the pick again with ``FUSEDMOE_W4_PTX=0`` (the fp32 unpack), to
+    measure the PTX unpack (``kernels/_w4_unpack.py``) against it in the same run."""
     L = LaunchConfig
     g1 = gemm == "gemm1"
     if rows <= 0.5:  # decode: one row per expert hit
@@ -111,10 +112,29 @@ def variants(gemm: str, rows: float, dflt: LaunchConfig, w_fmt: str) -> list[tup
     else:
         alts = [("swap256_bn128", L(256, 128, 128, 8, 8, 3, 1, 1)), ("swap128_bn128", L(128, 128, 128, 8, 8, 3, 1, 1))]
         alts += [("swap256_bn128_g16", L(256, 128, 128, 16, 8, 3, 1, 1))]
-    out = [("default", dflt, False)] + [(n, c, False) for n, c in alts if cfg_str(c) != cfg_str(dflt)][:4]
+    out = [("default", dflt, False, False)] + [(n, c, False, False) for n, c in alts if cfg_str(c) != cfg_str(dflt)][:4]
+    if dflt.block_m >= 16:
+        out.append(("portable_default", dflt, False, True))
     if w_fmt in ("mxfp4", "nvfp4"):
-        out.append(("pk2x_default", dflt, True))
+        out.append(("pk2x_default", dflt, True, False))
     return out
+
+
+def _portable(fn):
+    """``fn`` launching with ``FUSEDMOE_W4_PTX=0`` (read at launch: graph capture records it)."""
+
+    def run():
+        old = os.environ.get("FUSEDMOE_W4_PTX")
+        os.environ["FUSEDMOE_W4_PTX"] = "0"
+        try:
+            fn()
+        finally:
+            if old is None:
+                del os.environ["FUSEDMOE_W4_PTX"]
+            else:
+                os.environ["FUSEDMOE_W4_PTX"] = old
+
+    return run
 
 
 class Weights:
@@ -175,12 +195,7 @@ class Cell:
     def run_old(self, out: torch.Tensor, y_sum: torch.Tensor):
         cfg = self.old_config()
         r = self.routing(cfg.block_m)
-        if "w_quant" in inspect.signature(grouped_gemm).parameters:  # this branch's API
-            a, w, kw = self.x, self.q, dict(w_quant=self.scheme.w1, bias=self.bias, config=cfg)
-        else:  # the reorganised API: operands carry their quantization
-            from fusedmoe.quant import Operand
-
-            a, w, kw = Operand.of(self.x), Operand.of(self.q, self.scheme.w1), dict(bias=self.bias, config=cfg)
+        a, w, kw = Operand.of(self.x), Operand(self.q, self.scheme.w1), dict(bias=self.bias, config=cfg)
         if self.gemm == "gemm1":
             return lambda: grouped_gemm(a, w, r, a_div=self.k, act=self.ep, out=out, **kw)
 
@@ -192,14 +207,15 @@ class Cell:
 
     def run_new(self, cfg: LaunchConfig, out: torch.Tensor, y_sum: torch.Tensor, partials, alt: bool = False):
         r = self.routing(cfg.block_m)
-        w4 = self.w4_alt if alt else self.w4
+        w4 = Operand(self.w4_alt if alt else self.w4, self.scheme.w1)
+        x = Operand.of(self.x)
         kw = dict(routing=r, bias=self.bias, partials=partials)
         if self.gemm == "gemm1":
-            return lambda: w4_gemm_launch(self.x, w4, out, self.fmt, cfg, a_div=self.k, act=self.ep, **kw)
+            return lambda: w4_gemm_launch(x, w4, out, self.fmt, cfg, a_div=self.k, act=self.ep, **kw)
         tw = self.tw.reshape(-1)
 
         def fn():
-            p = w4_gemm_launch(self.x, w4, out, self.fmt, cfg, route_weights=tw, reduce=False, **kw)
+            p = w4_gemm_launch(x, w4, out, self.fmt, cfg, route_weights=tw, reduce=False, **kw)
             moe_sum(out.view(self.t, self.k, -1) if p is None else p.view(-1, self.t, self.k, self.n_w), y_sum)
 
         return fn
@@ -274,18 +290,19 @@ def bench_cell(cell: Cell, preset: str, timer, selftest: bool, failures: list[st
     dflt = w4_launch_config(t * k, cell.e, cell.n_w, cell.kd, cell.w4, gated=gated)
     if gated:
         dflt = gated_act_config(dflt)
-    jobs = [("old", cell.old_config(), None, False)]
-    for n, c, alt in variants(cell.gemm, rows, dflt, cell.w4.w_fmt):
+    jobs = [("old", cell.old_config(), None, False, False)]
+    for n, c, alt, portable in variants(cell.gemm, rows, dflt, cell.w4.w_fmt):
         c = fit_w4_config(c, cell.w4_alt if alt else cell.w4)
-        jobs.append((f"new:{n}", c, c, alt))
+        jobs.append((f"new:{n}", c, c, alt, portable))
     base_us = None
-    for name, cfg, new_cfg, alt in jobs:
+    for name, cfg, new_cfg, alt, portable in jobs:
         tag = f"{preset} {cell.scheme.name} {cell.gemm} T={t} {name} [{cfg_str(cfg)}]"
         try:
             partials = None
             if new_cfg is not None and new_cfg.split_k > 1:
                 partials = torch.empty(new_cfg.split_k * t * k * cell.n_w, dtype=torch.float32, device=dev)
             fn = cell.run_old(out, y_sum) if new_cfg is None else cell.run_new(new_cfg, out, y_sum, partials, alt)
+            fn = _portable(fn) if portable else fn
             out.fill_(float("nan"))
             seen = _compiled()
             fn()
@@ -383,6 +400,8 @@ def main() -> None:
     ap.add_argument("--selftest", action="store_true", help="tiny shapes on the CPU, interpreter, no timing")
     ap.add_argument("--budget-s", type=float, default=None, help="stop starting cells after this many seconds")
     ap.add_argument("--only", default="", help="comma-separated presets to keep (debugging)")
+    ap.add_argument("--schemes", default="", help="comma-separated schemes to keep")
+    ap.add_argument("--tokens", default="", help="comma-separated token counts to keep")
     args = ap.parse_args()
     selftest = args.selftest
     dev = "cpu" if selftest else "cuda"
@@ -412,6 +431,11 @@ def main() -> None:
     cells = plan(args.quick, selftest)
     if args.only:
         cells = [c for c in cells if c[0] in args.only.split(",")]
+    if args.schemes:
+        cells = [c for c in cells if c[1] in args.schemes.split(",")]
+    if args.tokens:
+        keep = {int(t) for t in args.tokens.split(",")}
+        cells = [(p, s, tuple(t for t in ts if t in keep)) for p, s, ts in cells if keep & set(ts)]
     for preset, sname, tokens in cells:
         scheme = QuantScheme.by_name(sname)
         for gemm in ("gemm1", "gemm2"):

@@ -19,6 +19,7 @@ on a per-launch path that runs more than once per call.
 | FUSEDMOE_LAUNCH_CONFIG | pin one grouped-GEMM launch config | ``BM,BN,BK,GROUP_M,WARPS,STAGES`` |
 | FUSEDMOE_CONFIG_DIR | the folder of tuned configs: searched first, and where ``fusedmoe tune`` writes | a path |
 | FUSEDMOE_FAST_LAUNCH | known kernels launched by their binary (``kernels.launch``) | a boolean (default on) |
+| FUSEDMOE_W4_PTX | 4-bit GEMMs unpack weights in PTX (``kernels._w4_unpack``); off: fp32 | a boolean (default on) |
 
 Booleans accept 1/true/yes/on and 0/false/no/off (any case); an empty value is the default.
 """
@@ -40,6 +41,7 @@ FUSE_ACT = "FUSEDMOE_FUSE_ACT"
 FUSED_ROUTING = "FUSEDMOE_FUSED_ROUTING"
 LAUNCH_CONFIG = "FUSEDMOE_LAUNCH_CONFIG"
 FAST_LAUNCH = "FUSEDMOE_FAST_LAUNCH"
+W4_PTX = "FUSEDMOE_W4_PTX"
 CONFIG_DIR = "FUSEDMOE_CONFIG_DIR"
 
 _TRUE = ("1", "true", "yes", "on")
@@ -132,6 +134,11 @@ def fast_launch() -> bool:
     return flag(FAST_LAUNCH, default=True)
 
 
+def w4_ptx() -> bool:
+    """``FUSEDMOE_W4_PTX`` (default on; read per 4-bit GEMM launch on the tensor-core path)."""
+    return flag(W4_PTX, default=True)
+
+
 def chunk_size() -> int | None:
     """``FUSEDMOE_CHUNK_SIZE``, or None when unset."""
     return positive_int(CHUNK_SIZE)
@@ -140,7 +147,7 @@ def chunk_size() -> int | None:
 def check_all() -> None:
     """Parse every variable that changes a kernel, so a bad value is an error when a kernel is
     built even where nothing reads it (``FUSEDMOE_FUSE_ACT=nope`` on a CPU backend)."""
-    for name in (DETERMINISTIC, CHECK_VALUES, FUSE_ACT, FUSED_ROUTING):
+    for name in (DETERMINISTIC, CHECK_VALUES, FUSE_ACT, FUSED_ROUTING, W4_PTX):
         flag(name)
     chunk_size()
 

@@ -1,4 +1,4 @@
-"""Compile the persistent grouped GEMM for sm_90 on a machine without a GPU.
+"""Compile the persistent grouped GEMM and the 4-bit weight GEMM for sm_90 on a machine without a GPU.
 
     PYTHONPATH=src python3 tests/kernels/sm90_compile.py [--json]
 
@@ -105,7 +105,21 @@ class _Compiler:
             "wgmma": len(re.findall(r"[HQI]GMMA", sass)),
             "tma_loads": len(re.findall(r"UTMALDG", sass)),
             "cp_async": len(re.findall(r"LDGSTS", sass)),
+            "paired_16bit": len(re.findall(r"\bH(?:FMA2|MUL2|ADD2)\b", sass)),
+            "hmma": len(re.findall(r"HMMA", sass)),
+            "wgmma_serialised": self.serialised(compiled.asm["ptx"]),
         }
+
+    def serialised(self, ptx: str) -> bool:
+        """Whether ptxas serialises the wgmma (its C7515 note: a wait after every HGMMA)."""
+        ptxas = os.path.join(os.path.dirname(self.bin), "ptxas")
+        with tempfile.TemporaryDirectory() as d:
+            src = os.path.join(d, "k.ptx")
+            with open(src, "w") as f:
+                f.write(ptx)
+            run = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", src, "-o", os.path.join(d, "k.o")],
+                                 capture_output=True, text=True)  # fmt: skip
+        return "C7515" in run.stdout + run.stderr
 
 
 def _operands(case: Case):
@@ -190,6 +204,103 @@ def compile_case(case: Case) -> dict:
     return res
 
 
+@dataclasses.dataclass
+class W4Case:
+    """A 4-bit weight GEMM (``grouped_gemm_w4``) on the tensor cores: its PTX unpack must
+    assemble for sm_90 (ptxas) and show paired 16-bit math in the SASS."""
+
+    label: str
+    scheme: str  # a key of W4_SCHEMES
+    gemm: str
+    cfg: tuple  # LaunchConfig fields: BM, BN, BK, GROUP_M, warps, stages, split_k, w_major
+    dtype: str = "bf16"  # activations
+    scale_dtype: str | None = None  # stored scales cast to this (int4: None keeps fp32)
+    batched: bool = False
+
+
+W4_CASES = [
+    W4Case("int4 g128 swap gemm1 silu (split scale)", "int4_g128", "gemm1", (64, 64, 128, 8, 4, 3, 1, 1)),
+    W4Case("int4 g128 swap gemm2 bf16 scale", "int4_g128", "gemm2", (128, 128, 128, 8, 8, 3, 1, 1), scale_dtype="bf16"),
+    W4Case("int4 g64 zp dot gemm2", "int4_g64_zp", "gemm2", (16, 64, 128, 1, 4, 4, 1, 0)),
+    W4Case("int4 g32 act-order swap gemm1", "int4_g32_actorder", "gemm1", (64, 64, 128, 8, 4, 3, 1, 1)),
+    W4Case(
+        "int4 g128 fp16 swap gemm2", "int4_g128", "gemm2", (64, 128, 128, 8, 8, 3, 1, 1), dtype="f16", scale_dtype="f16"
+    ),  # fmt: skip
+    W4Case("mxfp4 swap gemm1 silu", "mxfp4", "gemm1", (64, 64, 128, 8, 4, 3, 1, 1)),
+    W4Case("mxfp4 dot gemm2 batched", "mxfp4", "gemm2", (16, 64, 128, 1, 4, 4, 1, 0), batched=True),
+    W4Case("nvfp4 swap gemm2", "nvfp4", "gemm2", (128, 128, 128, 8, 8, 3, 1, 1)),
+]
+
+
+def compile_w4_case(case: W4Case) -> dict:
+    import torch
+
+    from fusedmoe.config import Activation
+    from fusedmoe.kernels.align import moe_align_ref
+    from fusedmoe.kernels.gemm_format import ActEpilogue, GemmFormat
+    from fusedmoe.kernels.grouped_gemm_w4 import w4_gemm_launch
+    from fusedmoe.kernels.launch import intercept_launches
+    from fusedmoe.kernels.launch_config import LaunchConfig
+    from fusedmoe.quant import Operand, QuantScheme, quantize
+    from fusedmoe.quant.w4_layout import to_w4
+    from fusedmoe.testing import random_topk
+    from fusedmoe.weights import random_g_idx
+
+    schemes = {"int4_g128": QuantScheme.int4_w4a16(128), "int4_g64_zp": QuantScheme.int4_w4a16(64, zero_points=True),
+               "int4_g32_actorder": QuantScheme.int4_w4a16(32, act_order=True), "mxfp4": QuantScheme.mxfp4_w4a16(),
+               "nvfp4": QuantScheme.nvfp4_w4a16()}  # fmt: skip
+    dt = {"bf16": torch.bfloat16, "f16": torch.float16}
+    comp = _COMPILER.get("c") or _COMPILER.setdefault("c", _Compiler())
+    t0 = time.time()
+    try:
+        gen = torch.Generator().manual_seed(0)
+        tq = schemes[case.scheme].w1
+        e, t, k, h, i = 4, 64, 2, 256, 256
+        n_w, kd = (2 * i, h) if case.gemm == "gemm1" else (h, i)
+        g_idx = random_g_idx(e, kd, tq.granularity.group_size) if tq.act_order else None
+        q = quantize(torch.randn(e, n_w, kd, generator=gen) * 0.05, tq, g_idx=g_idx)
+        if case.scale_dtype is not None:
+            q.scale = q.scale.to(dt[case.scale_dtype])
+        w = Operand(to_w4(q, tq), tq)
+        cfg = LaunchConfig(*case.cfg[:6], split_k=case.cfg[6], w_major=case.cfg[7])
+        act = ActEpilogue(Activation.SILU) if case.gemm == "gemm1" else None
+        n = n_w // 2 if act is not None else n_w
+        fmt = GemmFormat.of(tq, None, n_w, kd, q.zero is not None)
+        if case.batched:
+            a = torch.randn(e, 32, kd).to(dt[case.dtype])
+            c = torch.empty(e, 32, n, dtype=dt[case.dtype])
+            kw = dict(counts=torch.tensor([5, 0, 32, 7], dtype=torch.int32))
+        else:
+            ids, tw = random_topk(t, e, k, gen)
+            a = torch.randn(t if act is not None else t * k, kd).to(dt[case.dtype])
+            c = torch.empty(t * k, n, dtype=dt[case.dtype])
+            kw = dict(routing=moe_align_ref(ids, e, cfg.block_m), a_div=k if act is not None else 1,
+                      route_weights=None if act is not None else tw.reshape(-1))  # fmt: skip
+        comp.found = {}
+        with intercept_launches(comp):
+            w4_gemm_launch(Operand.of(a), w, c, fmt, cfg, act=act, **kw)
+        res = {"ok": bool(comp.found), **comp.found}
+    except Exception as exc:
+        res = {"ok": False, "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"}
+    res["seconds"] = round(time.time() - t0, 2)
+    return res
+
+
+def w4_problems(case: W4Case, res: dict) -> list[str]:
+    if not res["ok"]:
+        return [res.get("error", "not compiled")]
+    bad = []
+    if res["wgmma"] + res["hmma"] == 0:
+        bad.append("no tensor-core MMA")
+    if res["wgmma_serialised"]:
+        bad.append("ptxas serialises the wgmma (C7515)")
+    if res["paired_16bit"] == 0:
+        bad.append("no paired 16-bit math (the PTX unpack is not in the kernel)")
+    if res["spill_bytes"] != 0:
+        bad.append(f"{res['spill_bytes']} bytes spilled")
+    return bad
+
+
 def problems(case: Case, res: dict) -> list[str]:
     """What is wrong with a compiled case (empty: nothing)."""
     if not res["ok"]:
@@ -209,9 +320,10 @@ def problems(case: Case, res: dict) -> list[str]:
 def main(argv: list[str]) -> int:
     assert os.environ.get("TRITON_INTERPRET", "0") != "1", "unset TRITON_INTERPRET: this compiles for the GPU"
     out, failed = [], 0
-    for case in CASES:
-        res = compile_case(case)
-        bad = problems(case, res)
+    todo = [(c, compile_case, problems) for c in CASES] + [(c, compile_w4_case, w4_problems) for c in W4_CASES]
+    for case, compile_, problems_ in todo:
+        res = compile_(case)
+        bad = problems_(case, res)
         failed += bool(bad)
         out.append({"case": case.label, **res, "problems": bad})
         if "--json" not in argv:

@@ -195,6 +195,21 @@ def test_fit_and_default_w4_config():
     assert default_w4_config(4, 8, 28672, 4096, gated=True).split_k == 1
 
 
+SPLITS = {"5_steps_4_splits": (640, 128, 4), "7_steps_6_splits": (896, 128, 6), "2_steps_8_splits": (128, 64, 8),
+          "56_steps_45_splits": (14336, 256, 45)}  # fmt: skip
+
+
+@pytest.mark.parametrize("k, bk, split", list(SPLITS.values()), ids=list(SPLITS))
+def test_fit_w4_config_leaves_no_split_without_k(k, bk, split):
+    """The tensor-core loop is compiled assuming a non-empty K range (``tl.assume``): every split
+    the fitted config makes starts below K."""
+    w4 = to_w4(_quantized(SCHEMES["int4_g64"], 1, 16, k), SCHEMES["int4_g64"].w1, 64)
+    cfg = fit_w4_config(LaunchConfig(16, 64, bk, 1, 4, 4, split_k=split, w_major=1), w4)
+    steps = -(-w4.k_padded // cfg.block_k)
+    per = -(-steps // cfg.split_k)
+    assert 1 <= cfg.split_k <= split and (cfg.split_k - 1) * per < steps
+
+
 # ---- the kernel against the float64 reference --------------------------------------------------
 
 MODES = {  # (BM, w_major): how the operands meet

@@ -53,6 +53,7 @@ import triton.language as tl
 
 from ._common import apply_act, quant_linear
 from ._grouped_gemm import _decode_scale, _fma_rows
+from ._w4_unpack import w4_unpack
 
 
 @triton.jit
@@ -107,16 +108,14 @@ def _w4_cols(pid_n, N, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_N: 
 
 
 @triton.jit
-def _w4_affine(
+def _w4_group(
     ws_rows, wz_rows, ok, kh, stride_wsk,
     W_FMT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, HAS_ZERO: tl.constexpr, R: tl.constexpr,
 ):  # fmt: skip
-    """(S, B) of the half block at column ``kh``: its weights are raw * S + B (``_w4_raw``), fp32,
-    [R, 1] when the half lies in one group, else [R, HALF] (whole groups, broadcast).
-
-    int4: raw = 1 + c/16, so (c - zero) * scale = raw * 16 scale - (16 + zero) * scale. e2m1:
-    raw = value * 2^-14, S = scale * 2^14, B = 0.
-    """
+    """(scale, zero) of the half block at column ``kh``, fp32: [R, 1] when the half lies in one
+    group, else [R, HALF] (whole groups, broadcast). zero: the stored zero point, 8 for
+    symmetric int4 (codes are c - 8), 0 for e2m1 (unused)."""
+    z = 8.0 if W_FMT == "int4" else 0.0
     if HALF <= GROUP:
         g = kh // GROUP
         s = _decode_scale(tl.load(ws_rows + g * stride_wsk, mask=ok, other=0), W_FMT)[:, None]
@@ -130,13 +129,48 @@ def _w4_affine(
         if HAS_ZERO:
             z = tl.load(wz_rows[:, None] + g[None, :] * stride_wsk, mask=ok[:, None], other=0).to(tl.float32)
             z = tl.reshape(tl.broadcast_to(z[:, :, None], [R, NG, GROUP]), [R, HALF])
+    return s, z
+
+
+@triton.jit
+def _w4_affine(
+    ws_rows, wz_rows, ok, kh, stride_wsk,
+    W_FMT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, HAS_ZERO: tl.constexpr, R: tl.constexpr,
+):  # fmt: skip
+    """(S, B) of the half block at column ``kh``: its weights are raw * S + B (``_w4_raw``), fp32,
+    shaped as ``_w4_group``'s.
+
+    int4: raw = 1 + c/16, so (c - zero) * scale = raw * 16 scale - (16 + zero) * scale. e2m1:
+    raw = value * 2^-14, S = scale * 2^14, B = 0.
+    """
+    s, z = _w4_group(ws_rows, wz_rows, ok, kh, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, R)
     if W_FMT == "int4":
-        if HAS_ZERO:
-            return s * 16.0, -(16.0 + z) * s
-        else:
-            return s * 16.0, s * -24.0
+        return s * 16.0, -(16.0 + z) * s
     else:
         return s * 16384.0, 0.0
+
+
+@triton.jit
+def _w4_unpack_args(
+    ws_rows, wz_rows, ok, kh, stride_wsk,
+    W_FMT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, HAS_ZERO: tl.constexpr, SPLIT: tl.constexpr,
+    R: tl.constexpr, OP: tl.constexpr,
+):  # fmt: skip
+    """(m, s_hi, s_lo) in OP of the half block at ``kh`` for ``_w4_unpack.w4_unpack``: m = -(magic
+    + zero) (int4; the magic is 128 in bf16, 1024 in fp16), the scale, and under SPLIT the part
+    of the scale that OP does not hold (so s_hi + s_lo carries 16 significant bits)."""
+    s, z = _w4_group(ws_rows, wz_rows, ok, kh, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, R)
+    s_hi = s.to(OP)
+    s_lo = s_hi
+    m = s_hi
+    if W_FMT == "int4":
+        if OP == tl.bfloat16:
+            m = (tl.zeros_like(s) - (z + 128.0)).to(OP)  # z may be a constant: m must be a tensor
+        else:
+            m = (tl.zeros_like(s) - (z + 1024.0)).to(OP)
+        if SPLIT:
+            s_lo = (s - s_hi.to(tl.float32)).to(OP)
+    return m, s_hi, s_lo
 
 
 @triton.jit
@@ -164,10 +198,9 @@ def _w4_raw(byte, HIGH: tl.constexpr, W_FMT: tl.constexpr):
 
 @triton.jit
 def _w4_bytes(w_base, cols, ok, kb, stride_wn, stride_wk, HALF: tl.constexpr):
-    """The [R, HALF] byte tile (int32) of W rows ``cols`` for the pack block at column ``kb``."""
+    """The [R, HALF] byte tile (uint8) of W rows ``cols`` for the pack block at column ``kb``."""
     kbyte = kb // 2 + tl.arange(0, HALF)
-    byte = tl.load(w_base + cols[:, None] * stride_wn + kbyte[None, :] * stride_wk, mask=ok[:, None], other=0)
-    return byte.to(tl.int32)
+    return tl.load(w_base + cols[:, None] * stride_wn + kbyte[None, :] * stride_wk, mask=ok[:, None], other=0)
 
 
 @triton.jit
@@ -177,6 +210,7 @@ def _w4_decode(
 ):  # fmt: skip
     """The byte tile of the pack block at ``kb`` as the raw values of its low and high halves with
     their affine maps: (v_lo, S_lo, B_lo, v_hi, S_hi, B_hi), weights = v * S + B."""
+    byte = byte.to(tl.int32)
     ws_rows = ws_base + cols * stride_wsn
     wz_rows = wz_base + cols * stride_wsn  # zero points share the scale's shape and strides
     s_lo, b_lo = _w4_affine(ws_rows, wz_rows, ok, kb, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, R)
@@ -268,34 +302,61 @@ def _w4_mac(acc, w, a, MODE: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _w4_tiles(
+    w_base, ws_base, wz_base, cols, ok, kb, stride_wn, stride_wk, stride_wsn, stride_wsk,
+    W_FMT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, HAS_ZERO: tl.constexpr, FAST: tl.constexpr,
+    SPLIT: tl.constexpr, R: tl.constexpr, OP: tl.constexpr,
+):  # fmt: skip
+    """The dequantized W tiles [R, HALF] in OP (low half, high half) of the pack block at ``kb``:
+    FAST, paired 16-bit math in PTX (``_w4_unpack``); else one fp32 FMA per weight and a cast."""
+    byte = _w4_bytes(w_base, cols, ok, kb, stride_wn, stride_wk, HALF)
+    if FAST:
+        ws_rows = ws_base + cols * stride_wsn
+        wz_rows = wz_base + cols * stride_wsn
+        m_lo, s_lo, t_lo = _w4_unpack_args(
+            ws_rows, wz_rows, ok, kb, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, SPLIT, R, OP
+        )
+        m_hi, s_hi, t_hi = m_lo, s_lo, t_lo
+        if 2 * HALF > GROUP:  # the halves lie in different groups
+            m_hi, s_hi, t_hi = _w4_unpack_args(
+                ws_rows, wz_rows, ok, kb + HALF, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, SPLIT, R, OP
+            )
+        return w4_unpack(byte, m_lo, m_hi, s_lo, s_hi, t_lo, t_hi, W_FMT, OP, SPLIT)
+    else:
+        v_lo, s_lo, b_lo, v_hi, s_hi, b_hi = _w4_decode(
+            byte, ws_base, wz_base, cols, ok, kb, stride_wsn, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, R
+        )
+        return (v_lo * s_lo + b_lo).to(OP), (v_hi * s_hi + b_hi).to(OP)
+
+
+@triton.jit
 def _w4_dot_step(
     acc, acc_u, a_row_ptr, row_ok, perm_base, w_base, ws_base, wz_base, g_cols, u_cols, n_ok, kb,
     KD, KP, stride_ak, stride_pk, stride_wn, stride_wk, stride_wsn, stride_wsk,
     W_FMT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, ACT_ORDER: tl.constexpr, HAS_ZERO: tl.constexpr,
     GATED: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr, IEEE: tl.constexpr, OP: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    FAST: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """One pack block on the tensor cores: two dots (A's low and high halves) per row set, the
-    W tiles dequantized with one FMA (int4) or multiply (e2m1) per weight."""
+    """One pack block on the tensor cores: two dots (A's low and high halves) per row set."""
     if EVEN_K:
         ok = n_ok
     else:
         ok = n_ok & (kb < KP)
     a_lo = _a_half(a_row_ptr, row_ok, perm_base, kb, KD, KP, stride_ak, stride_pk, ACT_ORDER, EVEN_K, HALF, OP)
     a_hi = _a_half(a_row_ptr, row_ok, perm_base, kb + HALF, KD, KP, stride_ak, stride_pk, ACT_ORDER, EVEN_K, HALF, OP)
-    byte = _w4_bytes(w_base, g_cols, ok, kb, stride_wn, stride_wk, HALF)
-    v_lo, s_lo, b_lo, v_hi, s_hi, b_hi = _w4_decode(
-        byte, ws_base, wz_base, g_cols, ok, kb, stride_wsn, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, BLOCK_N
-    )
-    acc = _w4_mac(acc, (v_lo * s_lo + b_lo).to(OP), a_lo, MODE, IEEE)
-    acc = _w4_mac(acc, (v_hi * s_hi + b_hi).to(OP), a_hi, MODE, IEEE)
+    w_lo, w_hi = _w4_tiles(
+        w_base, ws_base, wz_base, g_cols, ok, kb, stride_wn, stride_wk, stride_wsn, stride_wsk,
+        W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, BLOCK_N, OP,
+    )  # fmt: skip
+    acc = _w4_mac(acc, w_lo, a_lo, MODE, IEEE)
+    acc = _w4_mac(acc, w_hi, a_hi, MODE, IEEE)
     if GATED:
-        byte = _w4_bytes(w_base, u_cols, ok, kb, stride_wn, stride_wk, HALF)
-        v_lo, s_lo, b_lo, v_hi, s_hi, b_hi = _w4_decode(
-            byte, ws_base, wz_base, u_cols, ok, kb, stride_wsn, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, BLOCK_N
-        )
-        acc_u = _w4_mac(acc_u, (v_lo * s_lo + b_lo).to(OP), a_lo, MODE, IEEE)
-        acc_u = _w4_mac(acc_u, (v_hi * s_hi + b_hi).to(OP), a_hi, MODE, IEEE)
+        w_lo, w_hi = _w4_tiles(
+            w_base, ws_base, wz_base, u_cols, ok, kb, stride_wn, stride_wk, stride_wsn, stride_wsk,
+            W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, BLOCK_N, OP,
+        )  # fmt: skip
+        acc_u = _w4_mac(acc_u, w_lo, a_lo, MODE, IEEE)
+        acc_u = _w4_mac(acc_u, w_hi, a_hi, MODE, IEEE)
     return acc, acc_u
 
 
@@ -351,6 +412,8 @@ def _w4_gemm_kernel(
     OUT_QUANT: tl.constexpr,
     EXACT_CAST: tl.constexpr,
     MODE: tl.constexpr,  # "dot" | "swap" | "fma" | "fma1" (module docstring)
+    FAST: tl.constexpr,  # tensor-core modes: W unpacked by paired 16-bit PTX (``_w4_unpack``)
+    SPLIT_SCALE: tl.constexpr,  # FAST int4: the scale is carried as two 16-bit parts
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # KD == KP and every split is whole BLOCK_K steps: no K masks
     A_SLOT: tl.constexpr,  # A has a row per aligned slot (act-order A permuted beforehand)
@@ -409,13 +472,19 @@ def _w4_gemm_kernel(
                 stride_wsn, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, GATED, MODE, BLOCK_M, BLOCK_N,
             )  # fmt: skip
     else:
+        # Every program has K to walk (``fit_w4_config`` leaves no split empty). Said to the
+        # compiler, the loop has no zero-trip path that sets the accumulators by moves, which
+        # made ptxas serialise every wgmma (C7515: a wait after each HGMMA, nothing of the next
+        # tile's unpack overlapped; 32 -> 6 warpgroup barriers per K step, int4 GEMM1 BM 64).
+        tl.assume(k_hi > k_lo)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             for j in tl.static_range(BLOCK_K // PK):
                 kb = k0 + j * PK
                 acc, acc_u = _w4_dot_step(
                     acc, acc_u, a_row_ptr, row_ok, perm_base, w_base, ws_base, wz_base, g_cols, u_cols, n_ok, kb,
                     KD, KP, stride_ak, stride_pk, stride_wn, stride_wk, stride_wsn, stride_wsk,
-                    W_FMT, GROUP, HALF, ACT_ORDER, HAS_ZERO, GATED, EVEN_K, MODE, IEEE, OP, BLOCK_N,
+                    W_FMT, GROUP, HALF, ACT_ORDER, HAS_ZERO, GATED, EVEN_K, MODE, IEEE, OP, FAST, SPLIT_SCALE,
+                    BLOCK_N,
                 )  # fmt: skip
 
     # ---- back to [BM, BN]; global scale; bias (split 0 only)

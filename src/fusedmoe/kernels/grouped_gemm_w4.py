@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import env
 from ..errors import expect
 from ..metadata import AlignedRouting
 from ..quant import Operand, TensorQuant
@@ -61,11 +62,14 @@ def supports(w_quant: TensorQuant | None, a_quant: TensorQuant | None, dtype: to
 def fit_w4_config(cfg: LaunchConfig, w: W4Tensor) -> LaunchConfig:
     """``cfg`` made valid for ``w``: BK a multiple of the layout's pack block (and no more K than
     the weight has; the FMA path steps one pack block at a time, ``_w4_gemm_kernel``), w_major
-    only where it means something (BM >= 16 or BM = 1), no more splits than K steps."""
+    only where it means something (BM >= 16 or BM = 1), and splits that each get K steps (the
+    kernel assumes its K range is not empty)."""
     kp, pk = w.k_padded, w.pack_block
     bk = pk if cfg.block_m < 16 else min(max(cfg.block_k, pk), max(pk, triton.next_power_of_2(kp)))
     w_major = cfg.w_major if (cfg.block_m >= 16 or cfg.block_m == 1) else 0
-    split = max(1, min(cfg.split_k, triton.cdiv(kp, bk)))
+    steps = max(1, triton.cdiv(kp, bk))
+    split = max(1, min(cfg.split_k, steps))
+    split = triton.cdiv(steps, triton.cdiv(steps, split))  # no split left without K: the kernel assumes one
     if (bk, w_major, split) == (cfg.block_k, cfg.w_major, cfg.split_k):
         return cfg
     return LaunchConfig(cfg.block_m, cfg.block_n, bk, cfg.group_m, cfg.num_warps, cfg.num_stages, split, w_major)
@@ -110,11 +114,17 @@ def default_w4_config(
       us unsplit and 66-70 us with 2-4 splits, gpt-oss's (N 2880, 4 experts) 39 vs 30 us with 2;
       Qwen3's (K 768) was best unsplit. A gated GEMM1 is not split (that needs a reduce launch,
       and the presets have >= 384 tiles there).
-    * <= 8 rows: BM 16; int4 W-major ("swap", 128 W rows), e2m1 C-major ("dot", 64 W rows):
-      Mixtral T = 16 GEMM1 int4 swap 283 us vs dot 310; MXFP4 dot 449 vs swap 547.
-    * <= 16 rows: C-major BM 32, GEMM1 128 and GEMM2 64 W rows (Mixtral MXFP4 T = 64 GEMM1: 512 us
-      against 1584 us with 64 W rows).
-    * <= 160 rows: W-major BM 64 x 128 W rows (GEMM2 at <= 64 rows: BM 32 x 64 W rows).
+    * <= 16 rows, int4: BM 16 W-major ("swap"), 128 W rows under a gated GEMM1, else 64 (paired
+      PTX unpack, ``scripts/kbench_w4.py`` 2026-11-25 third run: Qwen3 GEMM1 at T = 256 142 us
+      vs 204 for C-major BM 32; Mixtral GEMM1 at T = 64 369 vs 513; Qwen3 GEMM2 at T = 16-256
+      52-95 vs 56-104 with 128 W rows).
+    * <= 8 rows, e2m1: BM 16 C-major ("dot"), 64 W rows (Mixtral T = 16 GEMM1 MXFP4 dot 449 us vs
+      swap 547, portable unpack; with the PTX unpack dot 405 vs swap 489).
+    * <= 16 rows, e2m1: C-major BM 32, GEMM1 128 and GEMM2 64 W rows (Mixtral MXFP4 T = 64 GEMM1:
+      512 us against 1584 us with 64 W rows).
+    * <= 160 rows: W-major BM 64 x 128 W rows (int4 GEMM2 at <= 64 rows: BM 32 x 64 W rows, Mixtral
+      T = 256 385 us vs 555; e2m1 keeps BM 64 x 128: Qwen3 MXFP4 T = 1024 188 vs 227 us, Mixtral
+      T = 256 578 vs 645).
     * prefill: GEMM1 W-major BM 128 x 128 W rows with 4 warps (5.28 ms at Mixtral int4 T = 4096;
       14.8 ms with 8 warps: each dot's M is its 64 W rows, one warpgroup); GEMM2 BM 256 x 128 W
       rows, 8 warps (2.44 ms vs 3.18 at BM 128). GEMM1 and GEMM2 then want different BM: the
@@ -127,14 +137,14 @@ def default_w4_config(
         while not gated and tiles * split < 1024 and k // (256 * split * 2) >= 4:
             split *= 2
         return LaunchConfig(1, 32, 256, 1, 4, 4, split_k=split, w_major=1)
+    if rows <= 16 and w_fmt == "int4":
+        return LaunchConfig(16, 128 if gated else 64, 128, 1, 4, 4, w_major=1)
     if rows <= 8:
-        if w_fmt == "int4":
-            return LaunchConfig(16, 128, 128, 1, 4, 4, w_major=1)
         return LaunchConfig(16, 64, 128, 1, 4, 4)
     if rows <= 16:
         return LaunchConfig(32, 128 if gated else 64, 128, 1, 4, 4)
     if rows <= 160:
-        if not gated and rows <= 64:
+        if not gated and rows <= 64 and w_fmt == "int4":
             return LaunchConfig(32, 64, 128, 4, 4, 4, w_major=1)
         return LaunchConfig(64, 128, 128, 8, 4 if gated else 8, 3, w_major=1)
     if gated:
@@ -174,6 +184,7 @@ def w4_gemm_launch(
     expect(is_w4(w), "w", "a weight in the w4 layout (quant.w4_layout.to_w4)", type(w).__name__)
     expect(fmt.a_fmt == "float" and a_scale is None and a_global_scale is None, "a", "float activations", fmt)
     expect(reduce or act is None, "reduce", "True with a fused activation (it needs the summed tile)", reduce)
+    expect(w.k_padded > 0, "w", "a weight with K > 0 (the kernel walks at least one K step)", tuple(w.shape))
     cfg = fit_w4_config(cfg, w)
     rows = _Rows.of(a, w, cfg, routing, counts, a_div)
     e_l, n_w, kd = w.shape
@@ -218,7 +229,8 @@ def w4_gemm_launch(
         GATED=act is not None and p is None and act.activation.is_gated,
         INTERLEAVED=act is not None and act.gate_up_interleaved,
         OUT_QUANT="none" if p is not None else out_quant, EXACT_CAST=interpreting(),
-        MODE=_mode(cfg), SPLIT_K=cfg.split_k, EVEN_K=kd == w.k_padded and w.k_padded % cfg.block_k == 0,
+        MODE=_mode(cfg), FAST=fast_unpack(cfg, w, a.dtype), SPLIT_SCALE=w.scale.dtype != a.dtype,
+        SPLIT_K=cfg.split_k, EVEN_K=kd == w.k_padded and w.k_padded % cfg.block_k == 0,
         A_SLOT=permuted and not rows.batched, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -226,6 +238,16 @@ def w4_gemm_launch(
     if p is not None and reduce:
         _reduce(p, c, act, out_quant, c_scale, None if rw_in_gemm else rw, rw_str, rows, n)
     return p
+
+
+def fast_unpack(cfg: LaunchConfig, w: W4Tensor, dtype: torch.dtype) -> bool:
+    """Whether the tensor-core path unpacks W with paired 16-bit PTX (``_w4_unpack``): on a GPU
+    (the interpreter runs no PTX), for bf16 activations, and fp16 ones with int4 weights (e2m1
+    values times e8m0 scales can leave fp16's range), unless ``FUSEDMOE_W4_PTX`` is off. The
+    FMA path (BM < 16) computes in fp32."""
+    if interpreting() or cfg.block_m < 16 or not env.w4_ptx():
+        return False
+    return dtype == torch.bfloat16 or (dtype == torch.float16 and w.w_fmt == "int4")
 
 
 def _dot_dtype(a: torch.Tensor):

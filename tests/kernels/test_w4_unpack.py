@@ -1,0 +1,100 @@
+"""The PTX of the w4 GEMM's fast unpack (``kernels/_w4_unpack.py``), run on the CPU by a model of
+its instructions (``ptx_model.py``) for every byte value, against the dequantization it replaces:
+int4 (c - zero) * scale rounded once to bf16/fp16, e2m1 value * scale (exact). The GPU tests of
+the GEMM (``test_kernels_gemm_w4.py``, gpu marker) run the same strings through ptxas."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fusedmoe.kernels._w4_unpack import e2m1_ptx, int4_ptx
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests/ is not a package
+from ptx_model import _bf16_to_f64, _f16_to_f64, _f64_to_bf16, _f64_to_f16, run  # noqa: E402
+
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+CODEC = {"bf16": (_f64_to_bf16, _bf16_to_f64, 128.0), "f16": (_f64_to_f16, _f16_to_f64, 1024.0)}
+
+
+def _pairs(rng: np.random.Generator, n: int):
+    """Every byte value in both lanes of an instance (the two bytes of one register)."""
+    b0 = np.tile(np.arange(256), n // 256 + 1)[:n]
+    b1 = rng.permutation(b0)
+    return b0.astype(np.uint32), b1.astype(np.uint32)
+
+
+def _lanes(enc, x0, x1) -> np.ndarray:
+    """Two values as one register of two 16-bit lanes (element 0 low)."""
+    return enc(x0) | (enc(x1) << 16)
+
+
+def _split(enc, dec, x):
+    hi = enc(x)
+    return hi, enc(x - dec(hi))
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+@pytest.mark.parametrize("split", [False, True], ids=["scale_16bit", "scale_split"])
+def test_int4_unpack_matches_one_rounding(dtype, split):
+    enc, dec, magic = CODEC[dtype]
+    rng = np.random.default_rng(0)
+    n = 4096
+    b0, b1 = _pairs(rng, n)
+    zero = rng.integers(0, 16, size=(2, 2, n)).astype(np.float64)  # [half lo/hi, element, n]
+    # scales: GPTQ-like magnitudes; not 16-bit values unless the scale is stored as one
+    s = rng.uniform(1e-4, 2e-2, size=(2, 2, n))
+    if not split:
+        s = dec(enc(s))
+    ins = [b0 | (b1 << 8)]
+    ins += [_lanes(enc, -(magic + zero[h, 0]), -(magic + zero[h, 1])) for h in range(2)]
+    hi_parts = [[_split(enc, dec, s[h, e]) for e in range(2)] for h in range(2)]
+    ins += [hi_parts[h][0][0] | (hi_parts[h][1][0] << 16) for h in range(2)]
+    if split:
+        ins += [hi_parts[h][0][1] | (hi_parts[h][1][1] << 16) for h in range(2)]
+    lo, hi = run(int4_ptx(dtype, split), ins, 2)
+    for h, out in enumerate((lo, hi)):
+        for e, byte in enumerate((b0, b1)):
+            code = ((byte >> (4 * h)) & 0xF).astype(np.float64)
+            want = (code - zero[h, e]) * s[h, e]
+            got = dec((out >> (16 * e)) & 0xFFFF)
+            if not split:
+                np.testing.assert_array_equal(got, dec(enc(want)))  # the product, rounded once
+            else:
+                # s_hi + s_lo carries ~16 bits of the scale: at most a hair over half a unit in
+                # the last place of the rounded product; in fp16 s_lo of a scale below ~0.1 is
+                # subnormal (spacing 2^-24): |c - zero| <= 15 times half of that on top
+                ulp = np.abs(dec(enc(want))) * (2.0**-7 if dtype == "bf16" else 2.0**-10)
+                sub = 0.0 if dtype == "bf16" else 15 * 2.0**-25 * 2
+                assert np.all(np.abs(got - want) <= 0.5 * ulp * (1 + 2.0**-5) + sub)
+                assert np.mean(got == dec(enc(want))) > (0.99 if dtype == "bf16" else 0.97)
+
+
+def test_e2m1_unpack_is_exact():
+    rng = np.random.default_rng(1)
+    n = 4096
+    b0, b1 = _pairs(rng, n)
+    # e8m0 scales over the range weights use and both ends of bf16's, e4m3 values (NVFP4)
+    pow2 = 2.0 ** rng.integers(-126, 126, size=(2, 2, n)).astype(np.float64)
+    e4m3 = torch.randint(0, 126, (2, 2, n), dtype=torch.uint8).view(torch.float8_e4m3fn).double().numpy()
+    for s in (pow2, e4m3):
+        s = np.where(s == 0, 1.0, s)
+        ins = [b0 | (b1 << 8)] + [_lanes(_f64_to_bf16, s[h, 0], s[h, 1]) for h in range(2)]
+        lo, hi = run(e2m1_ptx(), ins, 2)
+        for h, out in enumerate((lo, hi)):
+            for e, byte in enumerate((b0, b1)):
+                want = E2M1[(byte >> (4 * h)) & 0xF] * s[h, e]
+                got = _bf16_to_f64((out >> (16 * e)) & 0xFFFF)
+                ok = np.abs(want) < 2.0**127  # products past bf16's range are not asked for
+                np.testing.assert_array_equal(got[ok], want[ok])
+                assert np.array_equal(np.signbit(got[ok]), np.signbit(want[ok]))  # -0 stays -0
+
+
+def test_model_rejects_what_ptxas_rejects():
+    """fma with an immediate float operand does not assemble (ptxas: 'Arguments mismatch')."""
+    with pytest.raises(AssertionError, match="immediate"):
+        run("{ fma.rn.bf16x2 $0, $1, 0x3F803F80, $1; }", [np.zeros(2, dtype=np.uint32)], 1)
