@@ -96,7 +96,8 @@ def variants(gemm: str, rows: float, dflt: LaunchConfig, w_fmt: str) -> list[tup
     L = LaunchConfig
     g1 = gemm == "gemm1"
     if rows <= 0.5:  # decode: one row per expert hit
-        alts = [("fma1_bn16", L(1, 16, 256, 1, 4, 4, 1, 1)), ("fma1_bn64", L(1, 64, 256, 1, 4, 4, 1, 1))]
+        alts = [("fma1_nb1", replace(dflt, block_k=64)), ("fma1_bn16", L(1, 16, 256, 1, 4, 4, 1, 1))]
+        alts += [("fma1_bn64", L(1, 64, 256, 1, 4, 4, 1, 1))]
         alts += [("dot16_bn32", L(16, 32, 128, 1, 4, 4, 1, 0))] if g1 else [("fma1_bn32", L(1, 32, 256, 1, 4, 4, 1, 1))]
         if not g1:
             alts += [("fma1_bn32_s2", L(1, 32, 256, 1, 4, 4, 2, 1)), ("fma1_bn64_s4", L(1, 64, 256, 1, 4, 4, 4, 1))]

@@ -216,6 +216,7 @@ class W4Case:
     dtype: str = "bf16"  # activations
     scale_dtype: str | None = None  # stored scales cast to this (int4: None keeps fp32)
     batched: bool = False
+    fma: bool = False  # BM < 16: the FMA path (e2m1 weights unpacked to fp32 by PTX), no MMA
 
 
 W4_CASES = [
@@ -229,6 +230,8 @@ W4_CASES = [
     W4Case("mxfp4 swap gemm1 silu", "mxfp4", "gemm1", (64, 64, 128, 8, 4, 3, 1, 1)),
     W4Case("mxfp4 dot gemm2 batched", "mxfp4", "gemm2", (16, 64, 128, 1, 4, 4, 1, 0), batched=True),
     W4Case("nvfp4 swap gemm2", "nvfp4", "gemm2", (128, 128, 128, 8, 8, 3, 1, 1)),
+    W4Case("mxfp4 fma1 gemm2 split 2", "mxfp4", "gemm2", (1, 32, 64, 1, 4, 4, 2, 1), fma=True),
+    W4Case("mxfp4 fma1 gemm1 silu, two blocks a step", "mxfp4", "gemm1", (1, 32, 128, 1, 4, 4, 1, 1), fma=True),
 ]
 
 
@@ -276,6 +279,8 @@ def compile_w4_case(case: W4Case) -> dict:
             c = torch.empty(t * k, n, dtype=dt[case.dtype])
             kw = dict(routing=moe_align_ref(ids, e, cfg.block_m), a_div=k if act is not None else 1,
                       route_weights=None if act is not None else tw.reshape(-1))  # fmt: skip
+        if cfg.split_k > 1:
+            kw["reduce"] = False  # the partials are the result: the GEMM is the last launch compiled
         comp.found = {}
         with intercept_launches(comp):
             w4_gemm_launch(Operand.of(a), w, c, fmt, cfg, act=act, **kw)
@@ -290,7 +295,7 @@ def w4_problems(case: W4Case, res: dict) -> list[str]:
     if not res["ok"]:
         return [res.get("error", "not compiled")]
     bad = []
-    if res["wgmma"] + res["hmma"] == 0:
+    if res["wgmma"] + res["hmma"] == 0 and not case.fma:
         bad.append("no tensor-core MMA")
     if res["wgmma_serialised"]:
         bad.append("ptxas serialises the wgmma (C7515)")

@@ -183,7 +183,9 @@ def test_fit_and_default_w4_config():
     w4 = to_w4(_quantized(SCHEMES["mxfp4"], 2, 16, 2880), SCHEMES["mxfp4"].w1)  # gpt-oss K: PK 64
     assert w4.pack_block == 64 and w4.k_padded == 2880
     fma = fit_w4_config(LaunchConfig(1, 32, 256, 1, 4, 4, split_k=64, w_major=1), w4)
-    assert fma.block_k == 64 and fma.split_k == 45  # the FMA path steps one pack block; <= K steps
+    assert fma.block_k == 128 and fma.split_k == 23  # the FMA path steps two pack blocks; <= K steps
+    one = fit_w4_config(LaunchConfig(1, 32, 64, 1, 4, 4, w_major=1), w4)
+    assert one.block_k == 64  # or one, when asked
     dot = fit_w4_config(LaunchConfig(16, 64, 32, 1, 4, 4, w_major=1), w4)
     assert dot.block_k == 64 and dot.w_major == 1
     assert fit_w4_config(LaunchConfig(4, 32, 256, 1, 4, 4, w_major=1), w4).w_major == 0  # BM 2..8: per row
@@ -290,7 +292,9 @@ def run_case(c: Case, out_dtype=torch.float32, device: str = DEVICE, config: Lau
     bm, w_major = MODES[c.mode]
     if config is None:
         # BN 64 (a gated activation's 32 output columns read 64 W rows): one or two column tiles
-        config = LaunchConfig(bm, 32 if n_w > n else 64, 64, 2, 4, 2, c.split, w_major)
+        # the FMA path steps one pack block (BK 64) or two (BK 256, odd splits)
+        bk = 256 if bm < 16 and c.split % 2 else 64
+        config = LaunchConfig(bm, 32 if n_w > n else 64, bk, 2, 4, 2, c.split, w_major)
     counts = torch.tensor([(t * k) % 7, 0, 5, 1, 9][: max(2, min(e, 5))], dtype=torch.int32)
     if c.layout == "batched":  # experts of a partial block, none, a few, one, two blocks
         e = counts.numel()

@@ -85,13 +85,14 @@ def test_e2m1_unpack_is_exact():
         s = np.where(s == 0, 1.0, s)
         ins = [b0 | (b1 << 8)] + [_lanes(_f64_to_bf16, s[h, 0], s[h, 1]) for h in range(2)]
         lo, hi = run(e2m1_ptx(), ins, 2)
-        for h, out in enumerate((lo, hi)):
+        lo0, lo1, hi0, hi1 = run(e2m1_ptx("f32"), ins, 4)  # the FMA path's fp32 weights
+        for h, (out, f32) in enumerate(((lo, (lo0, lo1)), (hi, (hi0, hi1)))):
             for e, byte in enumerate((b0, b1)):
                 want = E2M1[(byte >> (4 * h)) & 0xF] * s[h, e]
-                got = _bf16_to_f64((out >> (16 * e)) & 0xFFFF)
                 ok = np.abs(want) < 2.0**127  # products past bf16's range are not asked for
-                np.testing.assert_array_equal(got[ok], want[ok])
-                assert np.array_equal(np.signbit(got[ok]), np.signbit(want[ok]))  # -0 stays -0
+                for got in (_bf16_to_f64((out >> (16 * e)) & 0xFFFF), f32[e].view(np.float32).astype(np.float64)):
+                    np.testing.assert_array_equal(got[ok], want[ok])
+                    assert np.array_equal(np.signbit(got[ok]), np.signbit(want[ok]))  # -0 stays -0
 
 
 def test_model_rejects_what_ptxas_rejects():

@@ -53,7 +53,7 @@ import triton.language as tl
 
 from ._common import apply_act, quant_linear
 from ._grouped_gemm import _decode_scale, _fma_rows
-from ._w4_unpack import w4_unpack
+from ._w4_unpack import e2m1_unpack_f32, w4_unpack
 
 
 @triton.jit
@@ -240,24 +240,49 @@ def _w4_fma_loads(
 
 
 @triton.jit
+def _w4_fma_weights(
+    byte, ws_base, wz_base, cols, ok, kb, stride_wsn, stride_wsk,
+    W_FMT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, HAS_ZERO: tl.constexpr, FAST: tl.constexpr,
+    R: tl.constexpr,
+):  # fmt: skip
+    """The FMA path's fp32 weights (low half, high half) of a byte tile. FAST (e2m1 only: exact
+    in bf16, so in fp32 too) by PTX (``_w4_unpack.e2m1_unpack_f32``); else raw * S + B."""
+    if FAST:
+        ws_rows = ws_base + cols * stride_wsn
+        _, s_lo, _ = _w4_unpack_args(
+            ws_rows, ws_rows, ok, kb, stride_wsk, W_FMT, GROUP, HALF, False, False, R, tl.bfloat16
+        )
+        s_hi = s_lo
+        if 2 * HALF > GROUP:
+            _, s_hi, _ = _w4_unpack_args(
+                ws_rows, ws_rows, ok, kb + HALF, stride_wsk, W_FMT, GROUP, HALF, False, False, R, tl.bfloat16
+            )
+        return e2m1_unpack_f32(byte, s_lo, s_hi)
+    else:
+        v_lo, s_lo, b_lo, v_hi, s_hi, b_hi = _w4_decode(
+            byte, ws_base, wz_base, cols, ok, kb, stride_wsn, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, R
+        )
+        return v_lo * s_lo + b_lo, v_hi * s_hi + b_hi
+
+
+@triton.jit
 def _w4_fma_step(
     acc, acc_u, a_lo, a_hi, byte_g, byte_u, ws_base, wz_base, g_cols, u_cols, ok, kb, stride_wsn, stride_wsk,
     W_FMT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, HAS_ZERO: tl.constexpr, GATED: tl.constexpr,
-    MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    MODE: tl.constexpr, FAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """One pack block on the FMA path: dequantize the gate (and up) byte tiles in fp32 and
     multiply-accumulate with A's two halves: "fma1" into the [BN, HALF] partial sums,
     "fma" reduced per A row (``_grouped_gemm._fma_rows``)."""
-    v_lo, s_lo, b_lo, v_hi, s_hi, b_hi = _w4_decode(
-        byte_g, ws_base, wz_base, g_cols, ok, kb, stride_wsn, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, BLOCK_N
+    w_lo, w_hi = _w4_fma_weights(
+        byte_g, ws_base, wz_base, g_cols, ok, kb, stride_wsn, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, FAST, BLOCK_N
     )
-    w_lo, w_hi = v_lo * s_lo + b_lo, v_hi * s_hi + b_hi
     u_lo, u_hi = w_lo, w_hi
     if GATED:
-        v_lo, s_lo, b_lo, v_hi, s_hi, b_hi = _w4_decode(
-            byte_u, ws_base, wz_base, u_cols, ok, kb, stride_wsn, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, BLOCK_N
-        )
-        u_lo, u_hi = v_lo * s_lo + b_lo, v_hi * s_hi + b_hi
+        u_lo, u_hi = _w4_fma_weights(
+            byte_u, ws_base, wz_base, u_cols, ok, kb, stride_wsn, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, FAST,
+            BLOCK_N,
+        )  # fmt: skip
     if MODE == "fma1":
         acc += w_lo * a_lo + w_hi * a_hi
         if GATED:
@@ -412,7 +437,7 @@ def _w4_gemm_kernel(
     OUT_QUANT: tl.constexpr,
     EXACT_CAST: tl.constexpr,
     MODE: tl.constexpr,  # "dot" | "swap" | "fma" | "fma1" (module docstring)
-    FAST: tl.constexpr,  # tensor-core modes: W unpacked by paired 16-bit PTX (``_w4_unpack``)
+    FAST: tl.constexpr,  # W unpacked by PTX (``_w4_unpack``): tensor cores bf16/fp16 pairs, FMA e2m1 to fp32
     SPLIT_SCALE: tl.constexpr,  # FAST int4: the scale is carried as two 16-bit parts
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # KD == KP and every split is whole BLOCK_K steps: no K masks
@@ -453,24 +478,46 @@ def _w4_gemm_kernel(
     k_lo = pid_k * K_SPLIT
     k_hi = tl.minimum(k_lo + K_SPLIT, KP)
     if FMA:
-        # One pack block per K step (BLOCK_K == PK, ``fit_w4_config``), its bytes and A loaded
-        # one step ahead: these loads do not feed tl.dot, so the compiler does not pipeline
-        # them (no async copies in the TTGIR of the first H100 run), and each step waited for
-        # its loads before its math.
+        # NB = BLOCK_K / PK pack blocks (1 or 2, ``fit_w4_config``) per K step, their bytes and A
+        # loaded one step ahead: these loads do not feed tl.dot, so the compiler does not
+        # pipeline them (no async copies in the TTGIR of the first H100 run), and each step
+        # waited for its loads before its math. Two blocks a step put twice the bytes in flight
+        # per thread (a [32, 32] byte tile is 8 bytes a thread).
+        NB: tl.constexpr = BLOCK_K // PK
         nxt = _w4_fma_loads(
             a_row_ptr, row_ok, perm_base, w_base, g_cols, u_cols, n_ok, k_lo, k_lo < k_hi,
             KD, KP, stride_ak, stride_pk, stride_wn, stride_wk, ACT_ORDER, EVEN_K, GATED, HALF, OP,
         )  # fmt: skip
-        for k0 in range(k_lo, k_hi, PK):
-            byte_g, byte_u, a_lo, a_hi = nxt
-            nxt = _w4_fma_loads(
-                a_row_ptr, row_ok, perm_base, w_base, g_cols, u_cols, n_ok, k0 + PK, k0 + PK < k_hi,
+        nxt2 = nxt
+        if NB == 2:
+            nxt2 = _w4_fma_loads(
+                a_row_ptr, row_ok, perm_base, w_base, g_cols, u_cols, n_ok, k_lo + PK, k_lo + PK < k_hi,
                 KD, KP, stride_ak, stride_pk, stride_wn, stride_wk, ACT_ORDER, EVEN_K, GATED, HALF, OP,
             )  # fmt: skip
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            byte_g, byte_u, a_lo, a_hi = nxt
+            cur2 = nxt2
+            k1 = k0 + BLOCK_K
+            nxt = _w4_fma_loads(
+                a_row_ptr, row_ok, perm_base, w_base, g_cols, u_cols, n_ok, k1, k1 < k_hi,
+                KD, KP, stride_ak, stride_pk, stride_wn, stride_wk, ACT_ORDER, EVEN_K, GATED, HALF, OP,
+            )  # fmt: skip
+            if NB == 2:
+                nxt2 = _w4_fma_loads(
+                    a_row_ptr, row_ok, perm_base, w_base, g_cols, u_cols, n_ok, k1 + PK, k1 + PK < k_hi,
+                    KD, KP, stride_ak, stride_pk, stride_wn, stride_wk, ACT_ORDER, EVEN_K, GATED, HALF, OP,
+                )  # fmt: skip
             acc, acc_u = _w4_fma_step(
                 acc, acc_u, a_lo, a_hi, byte_g, byte_u, ws_base, wz_base, g_cols, u_cols, n_ok, k0,
-                stride_wsn, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, GATED, MODE, BLOCK_M, BLOCK_N,
+                stride_wsn, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, GATED, MODE, FAST, BLOCK_M, BLOCK_N,
             )  # fmt: skip
+            if NB == 2:  # the second block may lie past this program's K: its scales are masked
+                byte_g, byte_u, a_lo, a_hi = cur2
+                acc, acc_u = _w4_fma_step(
+                    acc, acc_u, a_lo, a_hi, byte_g, byte_u, ws_base, wz_base, g_cols, u_cols,
+                    n_ok & (k0 + PK < k_hi), k0 + PK, stride_wsn, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, GATED,
+                    MODE, FAST, BLOCK_M, BLOCK_N,
+                )  # fmt: skip
     else:
         # Every program has K to walk (``fit_w4_config`` leaves no split empty). Said to the
         # compiler, the loop has no zero-trip path that sets the accumulators by moves, which

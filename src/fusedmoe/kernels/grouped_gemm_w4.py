@@ -61,11 +61,14 @@ def supports(w_quant: TensorQuant | None, a_quant: TensorQuant | None, dtype: to
 
 def fit_w4_config(cfg: LaunchConfig, w: W4Tensor) -> LaunchConfig:
     """``cfg`` made valid for ``w``: BK a multiple of the layout's pack block (and no more K than
-    the weight has; the FMA path steps one pack block at a time, ``_w4_gemm_kernel``), w_major
+    the weight has; the FMA path steps one or two pack blocks at a time, ``_w4_gemm_kernel``), w_major
     only where it means something (BM >= 16 or BM = 1), and splits that each get K steps (the
     kernel assumes its K range is not empty)."""
     kp, pk = w.k_padded, w.pack_block
-    bk = pk if cfg.block_m < 16 else min(max(cfg.block_k, pk), max(pk, triton.next_power_of_2(kp)))
+    if cfg.block_m < 16:  # the FMA path steps one or two pack blocks at a time
+        bk = 2 * pk if cfg.block_k >= 2 * pk and kp >= 2 * pk else pk
+    else:
+        bk = min(max(cfg.block_k, pk), max(pk, triton.next_power_of_2(kp)))
     w_major = cfg.w_major if (cfg.block_m >= 16 or cfg.block_m == 1) else 0
     steps = max(1, triton.cdiv(kp, bk))
     split = max(1, min(cfg.split_k, steps))
@@ -244,9 +247,12 @@ def fast_unpack(cfg: LaunchConfig, w: W4Tensor, dtype: torch.dtype) -> bool:
     """Whether the tensor-core path unpacks W with paired 16-bit PTX (``_w4_unpack``): on a GPU
     (the interpreter runs no PTX), for bf16 activations, and fp16 ones with int4 weights (e2m1
     values times e8m0 scales can leave fp16's range), unless ``FUSEDMOE_W4_PTX`` is off. The
-    FMA path (BM < 16) computes in fp32."""
-    if interpreting() or cfg.block_m < 16 or not env.w4_ptx():
+    FMA path (BM < 16) takes fp32 weights: by PTX for e2m1 (exact in bf16, so unchanged), by the
+    fp32 decode for int4 (a bf16 weight would add a rounding the fp32 path does not make)."""
+    if interpreting() or not env.w4_ptx():
         return False
+    if cfg.block_m < 16:  # the FMA path: fp32 weights, by PTX where they are exact in bf16
+        return w.w_fmt != "int4"
     return dtype == torch.bfloat16 or (dtype == torch.float16 and w.w_fmt == "int4")
 
 
