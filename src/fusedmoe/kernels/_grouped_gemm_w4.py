@@ -355,6 +355,21 @@ def _w4_tiles(
 
 
 @triton.jit
+def _w4_tile_mac(
+    acc, a_lo, a_hi, w_base, ws_base, wz_base, cols, ok, kb, stride_wn, stride_wk, stride_wsn, stride_wsk,
+    W_FMT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, HAS_ZERO: tl.constexpr, FAST: tl.constexpr,
+    SPLIT: tl.constexpr, MODE: tl.constexpr, IEEE: tl.constexpr, R: tl.constexpr, OP: tl.constexpr,
+):  # fmt: skip
+    """acc + the pack block at ``kb`` of W rows ``cols`` times A's two halves (two dots)."""
+    w_lo, w_hi = _w4_tiles(
+        w_base, ws_base, wz_base, cols, ok, kb, stride_wn, stride_wk, stride_wsn, stride_wsk,
+        W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, R, OP,
+    )  # fmt: skip
+    acc = _w4_mac(acc, w_lo, a_lo, MODE, IEEE)
+    return _w4_mac(acc, w_hi, a_hi, MODE, IEEE)
+
+
+@triton.jit
 def _w4_dot_step(
     acc, acc_u, a_row_ptr, row_ok, perm_base, w_base, ws_base, wz_base, g_cols, u_cols, n_ok, kb,
     KD, KP, stride_ak, stride_pk, stride_wn, stride_wk, stride_wsn, stride_wsk,
@@ -369,19 +384,15 @@ def _w4_dot_step(
         ok = n_ok & (kb < KP)
     a_lo = _a_half(a_row_ptr, row_ok, perm_base, kb, KD, KP, stride_ak, stride_pk, ACT_ORDER, EVEN_K, HALF, OP)
     a_hi = _a_half(a_row_ptr, row_ok, perm_base, kb + HALF, KD, KP, stride_ak, stride_pk, ACT_ORDER, EVEN_K, HALF, OP)
-    w_lo, w_hi = _w4_tiles(
-        w_base, ws_base, wz_base, g_cols, ok, kb, stride_wn, stride_wk, stride_wsn, stride_wsk,
-        W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, BLOCK_N, OP,
+    acc = _w4_tile_mac(
+        acc, a_lo, a_hi, w_base, ws_base, wz_base, g_cols, ok, kb, stride_wn, stride_wk, stride_wsn, stride_wsk,
+        W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, MODE, IEEE, BLOCK_N, OP,
     )  # fmt: skip
-    acc = _w4_mac(acc, w_lo, a_lo, MODE, IEEE)
-    acc = _w4_mac(acc, w_hi, a_hi, MODE, IEEE)
     if GATED:
-        w_lo, w_hi = _w4_tiles(
-            w_base, ws_base, wz_base, u_cols, ok, kb, stride_wn, stride_wk, stride_wsn, stride_wsk,
-            W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, BLOCK_N, OP,
+        acc_u = _w4_tile_mac(
+            acc_u, a_lo, a_hi, w_base, ws_base, wz_base, u_cols, ok, kb, stride_wn, stride_wk, stride_wsn, stride_wsk,
+            W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, MODE, IEEE, BLOCK_N, OP,
         )  # fmt: skip
-        acc_u = _w4_mac(acc_u, w_lo, a_lo, MODE, IEEE)
-        acc_u = _w4_mac(acc_u, w_hi, a_hi, MODE, IEEE)
     return acc, acc_u
 
 
@@ -521,9 +532,12 @@ def _w4_gemm_kernel(
     else:
         # Every program has K to walk (``fit_w4_config`` leaves no split empty). Said to the
         # compiler, the loop has no zero-trip path that sets the accumulators by moves, which
-        # made ptxas serialise every wgmma (C7515: a wait after each HGMMA, nothing of the next
-        # tile's unpack overlapped; 32 -> 6 warpgroup barriers per K step, int4 GEMM1 BM 64).
-        tl.assume(k_hi > k_lo)
+        # made ptxas serialise every register-A wgmma of "swap" (C7515: a wait after each HGMMA,
+        # nothing of the next tile's unpack overlapped; 32 -> 6 warpgroup barriers per K step,
+        # int4 GEMM1 BM 64). The C-major tiles (mma.sync at BM 16-32) do not have the stall and
+        # measured slower with it (MXFP4 BM 16: Qwen3 GEMM1 T = 256 227 -> 258 us).
+        if MODE == "swap":
+            tl.assume(k_hi > k_lo)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             for j in tl.static_range(BLOCK_K // PK):
                 kb = k0 + j * PK
