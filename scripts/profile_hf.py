@@ -8,7 +8,9 @@ For the model of ``hf_generate_bench.MODELS`` and each of "grouped_mm" and "fuse
 - one experts module alone on that step's shapes (``layers[0].mlp.experts(x, ids, weights)``,
   routing as transformers makes it): host time per call without synchronisation (what the
   Python and launches cost) and wall time with it;
-- a cProfile of 8 decode steps with "fusedmoe", the top frames by cumulative and own time.
+- a prefill (``generate`` of one new token) per variant;
+- a cProfile of 8 decode steps with "fusedmoe" (``--profile prefill``: of one prefill), the top
+  frames by cumulative and own time.
 
 Writes ``profile_hf.txt`` to DIR (default: print only). A GPU run; on the CPU it runs the
 cpu backend and says little about launches.
@@ -35,18 +37,18 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def _generate_ms(model, ids, device: str, n: int) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    _sync(device)
+    return (time.perf_counter() - t0) * 1e3
+
+
 def _step_ms(model, ids, device: str, new: int = 16) -> float:
     """Milliseconds per decode step: (t(new tokens) - t(1)) / (new - 1)."""
-
-    def gen(n: int) -> float:
-        _sync(device)
-        t0 = time.perf_counter()
-        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-        _sync(device)
-        return time.perf_counter() - t0
-
-    gen(2)
-    return (gen(new) - gen(1)) / (new - 1) * 1e3
+    _generate_ms(model, ids, device, 2)
+    return (_generate_ms(model, ids, device, new) - _generate_ms(model, ids, device, 1)) / (new - 1)
 
 
 def _experts_us(model, batch: int, device: str, calls: int = 200) -> tuple[float, float]:
@@ -81,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--out", type=pathlib.Path, default=None)
+    p.add_argument("--profile", choices=("decode", "prefill"), default="decode")
     args = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     spec = {**MODELS, **TINY}[args.model]
@@ -91,17 +94,20 @@ def main(argv: list[str] | None = None) -> int:
         for variant in ("grouped_mm", "fusedmoe"):
             set_variant(model, variant, "auto")
             step = _step_ms(model, ids, device)
+            prefill = min(_generate_ms(model, ids, device, 1) for _ in range(3))
             host, wall = _experts_us(model, args.batch, device)
-            lines.append(f"{variant:10s} step {step:.3f} ms, experts call: host {host:.1f} us, wall {wall:.1f} us")
+            lines.append(f"{variant:10s} step {step:.3f} ms, prefill {prefill:.3f} ms")
+            lines.append(f"{'':10s} experts call at the decode shape: host {host:.1f} us, wall {wall:.1f} us")
+        new = 9 if args.profile == "decode" else 1
         prof = cProfile.Profile()
         prof.enable()
-        model.generate(ids, max_new_tokens=9, min_new_tokens=9, do_sample=False)
+        model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
         _sync(device)
         prof.disable()
     for key in ("cumulative", "tottime"):
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats(key).print_stats(35)
-        lines += [f"---- cProfile of generate (fusedmoe, 9 new tokens), by {key}", s.getvalue()]
+        lines += [f"---- cProfile of generate (fusedmoe, {new} new tokens), by {key}", s.getvalue()]
     text = "\n".join(lines)
     print(text)
     if args.out is not None:
