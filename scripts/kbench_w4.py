@@ -41,7 +41,7 @@ import torch  # noqa: E402
 from fusedmoe.config import Activation  # noqa: E402
 from fusedmoe.kernels._grouped_gemm_w4 import _w4_gemm_kernel  # noqa: E402
 from fusedmoe.kernels.align import moe_align  # noqa: E402
-from fusedmoe.kernels.gemm_format import ActEpilogue, GemmFormat, scheme_key
+from fusedmoe.kernels.gemm_format import ActEpilogue, GemmCall, GemmFormat, scheme_key
 from fusedmoe.kernels.grouped_gemm import grouped_gemm
 from fusedmoe.kernels.grouped_gemm_w4 import fit_w4_config, w4_gemm_launch, w4_launch_config  # noqa: E402
 from fusedmoe.kernels.launch_config import LaunchConfig, gated_act_config, pick_launch_config  # noqa: E402
@@ -210,13 +210,13 @@ class Cell:
         r = self.routing(cfg.block_m)
         w4 = Operand(self.w4_alt if alt else self.w4, self.scheme.w1)
         x = Operand.of(self.x)
-        kw = dict(routing=r, bias=self.bias, partials=partials)
         if self.gemm == "gemm1":
-            return lambda: w4_gemm_launch(x, w4, out, self.fmt, cfg, a_div=self.k, act=self.ep, **kw)
-        tw = self.tw.reshape(-1)
+            call = GemmCall(r, a_div=self.k, bias=self.bias, act=self.ep)
+            return lambda: w4_gemm_launch(x, w4, out, self.fmt, cfg, call, partials=partials)
+        call = GemmCall(r, bias=self.bias, route_weights=self.tw.reshape(-1))
 
         def fn():
-            p = w4_gemm_launch(x, w4, out, self.fmt, cfg, route_weights=tw, reduce=False, **kw)
+            p = w4_gemm_launch(x, w4, out, self.fmt, cfg, call, partials=partials, reduce=False)
             moe_sum(out.view(self.t, self.k, -1) if p is None else p.view(-1, self.t, self.k, self.n_w), y_sum)
 
         return fn

@@ -111,10 +111,13 @@ def main(argv=None) -> int:
     lines = [f"# host time per eager call: {preset} {args.scheme} T={args.tokens} on {device}"
              + (" (Triton launches stubbed)" if args.stub else ""), "",
              "| call | enqueue us/call | synced wall us/call |", "|---|---|---|"]  # fmt: skip
-    for name, fn in calls.items():
-        enq = _per_call_us(fn, args.calls, sync=False)
-        wall = _per_call_us(fn, min(args.calls, 200), sync=True) if device == "cuda" else float("nan")
-        lines.append(f"| {name} | {enq:.1f} | {wall:.1f} |")
+    for plans in ("1", "0"):  # launch plans (modular.replay) on, then off
+        os.environ["FUSEDMOE_LAUNCH_PLANS"] = plans
+        for name, fn in calls.items():
+            enq = _per_call_us(fn, args.calls, sync=False)
+            wall = _per_call_us(fn, min(args.calls, 200), sync=True) if device == "cuda" else float("nan")
+            lines.append(f"| {name}{'' if plans == '1' else ' (plans off)'} | {enq:.1f} | {wall:.1f} |")
+    os.environ["FUSEDMOE_LAUNCH_PLANS"] = "1"
     prof = cProfile.Profile()
     fn = calls["fused_moe(x, logits)"]
     prof.enable()

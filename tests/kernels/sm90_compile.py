@@ -186,6 +186,7 @@ _COMPILER: dict = {}
 
 def compile_case(case: Case) -> dict:
     import fusedmoe.kernels.grouped_gemm_persistent as gp
+    from fusedmoe.kernels.gemm_format import GemmCall
     from fusedmoe.kernels.launch import intercept_launches
     from fusedmoe.platform import Platform
 
@@ -196,7 +197,7 @@ def compile_case(case: Case) -> dict:
         a, w, c, fmt, cfg, kw = _operands(case)
         comp.found = {}
         with intercept_launches(comp):
-            gp.persistent_gemm_launch(a, w, c, fmt, cfg, **kw)
+            gp.persistent_gemm_launch(a, w, c, fmt, cfg, GemmCall(**kw))
         res = {"ok": bool(comp.found), **comp.found}
     except Exception as exc:
         res = {"ok": False, "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"}
@@ -240,7 +241,7 @@ def compile_w4_case(case: W4Case) -> dict:
 
     from fusedmoe.config import Activation
     from fusedmoe.kernels.align import moe_align_ref
-    from fusedmoe.kernels.gemm_format import ActEpilogue, GemmFormat
+    from fusedmoe.kernels.gemm_format import ActEpilogue, GemmCall, GemmFormat
     from fusedmoe.kernels.grouped_gemm_w4 import w4_gemm_launch
     from fusedmoe.kernels.launch import intercept_launches
     from fusedmoe.kernels.launch_config import LaunchConfig
@@ -279,11 +280,10 @@ def compile_w4_case(case: W4Case) -> dict:
             c = torch.empty(t * k, n, dtype=dt[case.dtype])
             kw = dict(routing=moe_align_ref(ids, e, cfg.block_m), a_div=k if act is not None else 1,
                       route_weights=None if act is not None else tw.reshape(-1))  # fmt: skip
-        if cfg.split_k > 1:
-            kw["reduce"] = False  # the partials are the result: the GEMM is the last launch compiled
         comp.found = {}
         with intercept_launches(comp):
-            w4_gemm_launch(Operand.of(a), w, c, fmt, cfg, act=act, **kw)
+            # split-K: the partials are the result (reduce=False), so the GEMM is the last launch compiled
+            w4_gemm_launch(Operand.of(a), w, c, fmt, cfg, GemmCall(act=act, **kw), reduce=cfg.split_k == 1)
         res = {"ok": bool(comp.found), **comp.found}
     except Exception as exc:
         res = {"ok": False, "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"}

@@ -39,7 +39,7 @@ from test_kernels_gemm import BY_NAME, DEVICE, HAS_CUDA, _static_scale, _tol, ch
 from fusedmoe.config import Activation
 from fusedmoe.kernels._common import interpreting
 from fusedmoe.kernels.align import moe_align_ref
-from fusedmoe.kernels.gemm_format import ActEpilogue, GemmFormat
+from fusedmoe.kernels.gemm_format import ActEpilogue, GemmCall, GemmFormat
 from fusedmoe.kernels.grouped_gemm import grouped_gemm, grouped_gemm_batched_ref, grouped_gemm_ref
 from fusedmoe.kernels.grouped_gemm_persistent import GroupQuantEpilogue, persistent_gemm_launch, supports
 from fusedmoe.kernels.launch_config import LaunchConfig, fit_launch_config
@@ -201,18 +201,8 @@ def run(p: Run) -> None:
         g = ep.quant.granularity.group_size
         out_scale = poison_(torch.empty(*ref.shape[:-1], -(-ref.shape[-1] // g), device=DEVICE))
         scale = out_scale
-    persistent_gemm_launch(
-        _operand(a, a_scale, ops.a),
-        ops.w,
-        out,
-        fmt,
-        cfg,
-        bias=bias,
-        route_weights=rw,
-        act=ep,
-        act_scale=scale,
-        **layout,
-    )
+    call = GemmCall(bias=bias, route_weights=rw, act=ep, act_scale=scale, **layout)
+    persistent_gemm_launch(_operand(a, a_scale, ops.a), ops.w, out, fmt, cfg, call)
     if group:
         g = ep.quant.granularity.group_size
         written = ~ref.isnan().all(dim=-1)
@@ -319,12 +309,11 @@ def test_group_quant_bit_exact(scheme, subtile):
     fmt = GemmFormat.of(ops.w.quant, ops.a.quant, 2 * i, h)
     args = dict(routing=r, a_div=k, route_weights=tw.reshape(-1).to(DEVICE))
     h32 = poison_(torch.empty(t * k, i, device=DEVICE))
-    persistent_gemm_launch(ops.a, ops.w, h32, fmt, cfg, act=_ep(Activation.SILU, False), **args)
+    persistent_gemm_launch(ops.a, ops.w, h32, fmt, cfg, GemmCall(act=_ep(Activation.SILU, False), **args))
     codes = poison_(torch.empty(t * k, i, dtype=torch.float8_e4m3fn, device=DEVICE))
     scales = poison_(torch.empty(t * k, 2, device=DEVICE))
-    persistent_gemm_launch(
-        ops.a, ops.w, codes, fmt, cfg, act=_ep(Activation.SILU, False, _G128), act_scale=scales, **args
-    )
+    call = GemmCall(act=_ep(Activation.SILU, False, _G128), act_scale=scales, **args)
+    persistent_gemm_launch(ops.a, ops.w, codes, fmt, cfg, call)
     q = quantize(h32, _G128)
     assert torch.equal(codes.view(torch.uint8), q.data.view(torch.uint8))
     assert torch.equal(scales, q.scale)
@@ -372,7 +361,7 @@ def test_batched_a_by_pointer(scheme):
     cnt = torch.tensor([5, 0, 20], dtype=torch.int32, device=DEVICE)
     out = poison_(torch.empty(3, 20, 64, device=DEVICE))
     a = _operand(a, a_scale, ops.a)
-    persistent_gemm_launch(a, ops.w, out, fmt, CFG, counts=cnt)
+    persistent_gemm_launch(a, ops.w, out, fmt, CFG, GemmCall(counts=cnt))
     check(out, grouped_gemm_batched_ref(a, ops.w, cnt), _tol(sch, torch.float32))
 
 

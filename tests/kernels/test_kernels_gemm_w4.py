@@ -21,6 +21,10 @@ more each on the decode and the tensor-core path.
 from __future__ import annotations
 
 import dataclasses
+import os
+import pathlib
+import subprocess
+import sys
 import zlib
 
 import pytest
@@ -30,7 +34,7 @@ from test_kernels_gemm import DEVICE, needs_cuda, needs_triton
 from fusedmoe.config import Activation
 from fusedmoe.kernels._common import interpreting
 from fusedmoe.kernels.align import moe_align_ref
-from fusedmoe.kernels.gemm_format import ActEpilogue, GemmFormat
+from fusedmoe.kernels.gemm_format import ActEpilogue, GemmCall, GemmFormat
 from fusedmoe.kernels.grouped_gemm import grouped_gemm, grouped_gemm_batched, grouped_gemm_batched_ref, grouped_gemm_ref
 from fusedmoe.kernels.grouped_gemm_w4 import (
     default_w4_config,
@@ -195,6 +199,30 @@ def test_fit_and_default_w4_config():
     assert default_w4_config(2, 8, 4096, 14336).split_k == 4  # Mixtral GEMM2 at T = 1
     assert default_w4_config(8, 128, 2048, 768).split_k == 1  # Qwen3: K 768 is 3 steps
     assert default_w4_config(4, 8, 28672, 4096, gated=True).split_k == 1
+
+
+def test_fast_unpack_where_exact_and_on_the_gpu(monkeypatch):
+    """The PTX unpack runs on a GPU only (the interpreter runs no PTX), on the tensor-core path for
+    bf16 (and fp16 with int4), on the FMA path for e2m1 only (exact there), and not at all with
+    FUSEDMOE_W4_PTX off; a value the knob cannot mean is an error naming it."""
+    from fusedmoe import env
+    from fusedmoe.errors import FusedMoEError
+    from fusedmoe.kernels import grouped_gemm_w4 as gw4
+
+    int4 = to_w4(_quantized(SCHEMES["int4_g128"], 1, 16, 256), SCHEMES["int4_g128"].w1)
+    mx = to_w4(_quantized(SCHEMES["mxfp4"], 1, 16, 256), SCHEMES["mxfp4"].w1)
+    dot, fma = LaunchConfig(16, 64, 128, 1, 4, 4, w_major=1), LaunchConfig(1, 32, 256, 1, 4, 4, w_major=1)
+    assert not gw4.fast_unpack(dot, int4, torch.bfloat16)  # under the interpreter (CI)
+    monkeypatch.setattr(gw4, "interpreting", lambda: False)
+    assert gw4.fast_unpack(dot, int4, torch.bfloat16) and gw4.fast_unpack(dot, int4, torch.float16)
+    assert gw4.fast_unpack(dot, mx, torch.bfloat16) and not gw4.fast_unpack(dot, mx, torch.float16)
+    assert gw4.fast_unpack(fma, mx, torch.float16) and not gw4.fast_unpack(fma, int4, torch.bfloat16)
+    assert not gw4.fast_unpack(dot, int4, torch.float32)
+    monkeypatch.setenv(env.W4_PTX, "0")
+    assert not gw4.fast_unpack(dot, int4, torch.bfloat16) and not gw4.fast_unpack(fma, mx, torch.bfloat16)
+    monkeypatch.setenv(env.W4_PTX, "sometimes")
+    with pytest.raises(FusedMoEError, match="FUSEDMOE_W4_PTX"):
+        gw4.fast_unpack(dot, int4, torch.bfloat16)
 
 
 SPLITS = {"5_steps_4_splits": (640, 128, 4), "7_steps_6_splits": (896, 128, 6), "2_steps_8_splits": (128, 64, 8),
@@ -363,7 +391,7 @@ def test_split_k_partials_summed_by_moe_sum(split):
     y = torch.empty(t * k, h, device=DEVICE)  # written without split-K only
     partials = poison_(torch.empty(split * t * k * h, device=DEVICE))
     w4 = Operand(w4, scheme.w1)
-    p = w4_gemm_launch(a, w4, y, fmt, cfg, routing=r, bias=bias, route_weights=tw, partials=partials, reduce=False)
+    p = w4_gemm_launch(a, w4, y, fmt, cfg, GemmCall(r, bias=bias, route_weights=tw), partials=partials, reduce=False)
     c = y.view(t, k, h) if p is None else p.view(p.shape[0], t, k, h)  # splits: at most K steps
     out = moe_sum(c, torch.empty(t, h, device=DEVICE), topk_ids=ids, expert_map=emap, num_local_experts=4)
     ref = grouped_gemm_ref(a, Operand(q, scheme.w1), r, bias=bias, topk_weights=tw)
@@ -371,6 +399,22 @@ def test_split_k_partials_summed_by_moe_sum(split):
     want = torch.where(local, ref.view(t, k, h).nan_to_num(0.0), torch.zeros((), dtype=ref.dtype)).sum(1)
     assert rel_error(out, want) <= 1e-5
     assert torch.allclose(moe_sum_ref(c, topk_ids=ids, expert_map=emap, num_local_experts=4), out, rtol=1e-5, atol=1e-6)
+
+
+@needs_triton
+def test_kbench_script_selftest(tmp_path):
+    """``scripts/kbench_w4.py --selftest`` end to end (tiny, interpreter, no timing): every variant
+    of the decode, small, mid and prefill regimes runs and matches the float64 reference."""
+    if torch.cuda.is_available():
+        pytest.skip("the selftest runs under the interpreter; the GPU runs the script itself")
+    root = pathlib.Path(__file__).resolve().parents[2]
+    args = ["--selftest", "--schemes", "mxfp4,int4_g128_zp", "--out", str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")])}
+    run_ = subprocess.run([sys.executable, str(root / "scripts" / "kbench_w4.py"), *args], env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert run_.returncode == 0, (run_.stdout + run_.stderr)[-3000:]
+    assert ", 0 over tolerance, 0 failures" in run_.stdout, run_.stdout[-3000:]
+    assert (tmp_path / "kbench_w4.json").exists()
 
 
 # ---- real shapes (GPU) --------------------------------------------------------------------------

@@ -5,17 +5,12 @@ the GEMM (``test_kernels_gemm_w4.py``, gpu marker) run the same strings through 
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
+from ptx_model import _bf16_to_f64, _f16_to_f64, _f64_to_bf16, _f64_to_f16, run
 
 from fusedmoe.kernels._w4_unpack import e2m1_ptx, int4_ptx
-
-sys.path.insert(0, str(Path(__file__).parent))  # tests/ is not a package
-from ptx_model import _bf16_to_f64, _f16_to_f64, _f64_to_bf16, _f64_to_f16, run  # noqa: E402
 
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
 CODEC = {"bf16": (_f64_to_bf16, _bf16_to_f64, 128.0), "f16": (_f64_to_f16, _f16_to_f64, 1024.0)}

@@ -12,26 +12,30 @@ from .base import Dispatcher
 
 
 class _Declared(Dispatcher):
-    """Declared, not written: a CUDA library's transport between ranks (unless it says otherwise)."""
+    """Declared, not written: a CUDA library's transport between ranks, in the standard layout
+    (unless it says otherwise)."""
 
+    layout = TokenLayout.STANDARD
     distributed = True
     platforms = frozenset({"cuda"})
     implemented = False
 
 
-class DeepEPHighThroughputDispatcher(_Declared):
-    name = "deepep_high_throughput"
-    layout = TokenLayout.STANDARD
-    quantize_before_exchange = False  # per-token/tensor quantization happens after dispatch
+class _DeepEP(_Declared):
+    """DeepEP's two modes: per-token/tensor quantization happens after dispatch."""
+
+    quantize_before_exchange = False
     packages = ("deep_ep",)
+
+
+class DeepEPHighThroughputDispatcher(_DeepEP):
+    name = "deepep_high_throughput"
     seed_names = ("deepep_high_throughput",)
 
 
-class DeepEPLowLatencyDispatcher(_Declared):
+class DeepEPLowLatencyDispatcher(_DeepEP):
     name = "deepep_low_latency"
     layout = TokenLayout.BATCHED
-    quantize_before_exchange = False
-    packages = ("deep_ep",)
     seed_names = ("deepep low_latency",)
 
 
@@ -44,14 +48,12 @@ class PplxDispatcher(_Declared):
 
 class FlashInferAll2AllvDispatcher(_Declared):
     name = "flashinfer_all2allv"
-    layout = TokenLayout.STANDARD
     packages = ("flashinfer",)
     seed_names = ("flashinfer_all2allv",)
 
 
 class FlashInferDispatcher(_Declared):
     name = "flashinfer"
-    layout = TokenLayout.STANDARD
     distributed = False
     packages = ("flashinfer",)
     seed_names = ("flashinfer",)

@@ -27,7 +27,7 @@ import torch
 
 from .. import env
 from ..activations import apply_activation
-from ..contract import TokenLayout, WeightedReduce
+from ..contract import TokenLayout
 from ..metadata import local_expert_ids
 from ..quant import dequantize, fake_quantize
 from ..weights import expert_matrix
@@ -38,7 +38,6 @@ from .reference import batch_invariant_mm
 class CpuExperts(Experts):
     name = "cpu"
     layout = TokenLayout.STANDARD
-    reduce = WeightedReduce.NONE
     capabilities = Capabilities(
         layouts=frozenset({TokenLayout.STANDARD}),
         schemes=ALL_SCHEMES,

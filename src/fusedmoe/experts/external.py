@@ -35,7 +35,7 @@ WNA16 = frozenset({"int4_g128", "int4_g32", "int4_g64_zp", "int4_g128_zp", "int4
 _NOTE = "adapter not written yet; it needs a GPU with '{pkg}' installed to be checked against the reference"
 
 
-def _caps(layouts, schemes, activations, pkg, cap, platforms=("cuda",), seeds=(), **kw) -> Capabilities:
+def _caps(schemes, activations, pkg, cap, layouts=STD, platforms=("cuda",), seeds=(), **kw) -> Capabilities:
     return Capabilities(
         layouts=layouts,
         schemes=frozenset(schemes),
@@ -48,6 +48,19 @@ def _caps(layouts, schemes, activations, pkg, cap, platforms=("cuda",), seeds=()
         seed_names=seeds,
         **kw,
     )
+
+
+def _batched_twin(caps: Capabilities, seed: str) -> Capabilities:
+    """A standard adapter's batched twin: the same kernels and limits on the batched layout."""
+    return replace(caps, layouts=BAT, seed_names=(seed,))
+
+
+class _BatchedTwin:
+    """Mixed in before a standard adapter: its batched twin, the same kernels on the batched layout
+    (``capabilities`` from ``_batched_twin``)."""
+
+    layout = TokenLayout.BATCHED
+    batched_twin = None
 
 
 _WRITTEN: dict[type, type] = {}
@@ -69,8 +82,10 @@ def _block_128(scheme: QuantScheme, who: str) -> str | None:
 
 
 class _Adapter(Experts):
-    """Base of the external adapters: the refusal order of the module docstring."""
+    """Base of the external adapters: the refusal order of the module docstring. An adapter takes
+    the standard layout unless it says otherwise (the batched twins)."""
 
+    layout = TokenLayout.STANDARD
     # (H multiple, I multiple) the kernel needs for MXFP4 weights (None: the capabilities' align)
     mxfp4_align: ClassVar[tuple[int, int] | None] = None
 
@@ -97,9 +112,8 @@ class _Adapter(Experts):
 
 class DeepGemmExperts(_Adapter):
     name = "deep_gemm"
-    layout = TokenLayout.STANDARD
     batched_twin = "deep_gemm_batched"
-    capabilities = _caps(STD, FP8_BLOCK, GATED, "deep_gemm", (9, 0), seeds=("deep gemm",), bias=False)
+    capabilities = _caps(FP8_BLOCK, GATED, "deep_gemm", (9, 0), seeds=("deep gemm",), bias=False)
 
     @classmethod
     def extra_checks(cls, config, scheme, platform):
@@ -111,23 +125,21 @@ class DeepGemmExperts(_Adapter):
         return _block_128(scheme, "DeepGEMM")
 
 
-class DeepGemmBatchedExperts(DeepGemmExperts):
+class DeepGemmBatchedExperts(_BatchedTwin, DeepGemmExperts):
     name = "deep_gemm_batched"
-    layout = TokenLayout.BATCHED
-    batched_twin = None
-    capabilities = _caps(BAT, FP8_BLOCK, GATED, "deep_gemm", (9, 0), seeds=("deep gemm (batched)",), bias=False)
+    capabilities = _batched_twin(DeepGemmExperts.capabilities, "deep gemm (batched)")
 
 
 class CutlassFp8Experts(_Adapter):
     name = "cutlass_fp8"
-    layout = TokenLayout.STANDARD
-    capabilities = _caps(STD | BAT, FP8_AT, GATED, "vllm", (9, 0), seeds=("cutlass_fp8",), bias=False)
+    capabilities = _caps(FP8_AT, GATED, "vllm", (9, 0), layouts=STD | BAT, seeds=("cutlass_fp8",), bias=False)
 
 
 class CutlassFp4Experts(_Adapter):
     name = "cutlass_fp4"
-    layout = TokenLayout.STANDARD
-    capabilities = _caps(STD | BAT, {"nvfp4"}, {Activation.SILU}, "vllm", (10, 0), seeds=("cutlass_fp4",), bias=False)
+    capabilities = _caps(
+        {"nvfp4"}, {Activation.SILU}, "vllm", (10, 0), layouts=STD | BAT, seeds=("cutlass_fp4",), bias=False
+    )
 
 
 class FlashInferExperts(_Adapter):
@@ -135,9 +147,7 @@ class FlashInferExperts(_Adapter):
     cores take fp8-class A operands) and bf16 activations on sm90 (no FP4 tensor cores)."""
 
     name = "flashinfer_cutlass"
-    layout = TokenLayout.STANDARD
     capabilities = _caps(
-        STD,
         {"bf16", "fp8_tensor", "fp8_block", "mxfp4", "mxfp4_mxfp8", "nvfp4"},
         {Activation.SILU, Activation.SWIGLUOAI},
         "flashinfer",
@@ -164,10 +174,8 @@ class TrtLlmExperts(_Adapter):
     """FlashInfer's TensorRT-LLM MoE kernels (sm100): MXFP4 weights with MXFP8 activations."""
 
     name = "trtllm"
-    layout = TokenLayout.STANDARD
     implied_activations = {"mxfp4": "mxfp4_mxfp8"}
     capabilities = _caps(
-        STD,
         {"mxfp4", "mxfp4_mxfp8", "nvfp4", "fp8_block", "fp8_tensor_static"},
         {Activation.SWIGLUOAI, Activation.SILU},
         "flashinfer",
@@ -186,10 +194,8 @@ class OaiTritonExperts(_Adapter):
     """OpenAI triton_kernels (matmul_ogs): gpt-oss MXFP4 with bf16 activations, sm90 and sm100."""
 
     name = "oai_triton"
-    layout = TokenLayout.STANDARD
     implied_activations = {"mxfp4_mxfp8": "mxfp4"}
     capabilities = _caps(
-        STD,
         {"bf16", "mxfp4"},
         {Activation.SWIGLUOAI},
         "triton_kernels",
@@ -212,11 +218,9 @@ class MarlinExperts(_Adapter):
     how GPUs without FP4 tensor cores serve them."""
 
     name = "marlin"
-    layout = TokenLayout.STANDARD
     batched_twin = "marlin_batched"
     implied_activations = {"nvfp4": "nvfp4_w4a16", "mxfp4_mxfp8": "mxfp4"}
     capabilities = _caps(
-        STD,
         WNA16 | {"mxfp4", "nvfp4_w4a16"},
         {Activation.SILU, Activation.SWIGLUOAI},
         "vllm",
@@ -237,27 +241,16 @@ class MarlinExperts(_Adapter):
         return None
 
 
-class MarlinBatchedExperts(MarlinExperts):
+class MarlinBatchedExperts(_BatchedTwin, MarlinExperts):
     name = "marlin_batched"
-    layout = TokenLayout.BATCHED
-    batched_twin = None
-    capabilities = _caps(
-        BAT,
-        WNA16 | {"mxfp4", "nvfp4_w4a16"},
-        {Activation.SILU, Activation.SWIGLUOAI},
-        "vllm",
-        (8, 0),
-        seeds=("marlin (batched)",),
-    )
+    capabilities = _batched_twin(MarlinExperts.capabilities, "marlin (batched)")
 
 
 class AiterExperts(_Adapter):
     """AMD AITER fused MoE (ROCm): bf16, fp8, and MXFP4 through CK on gfx950 only."""
 
     name = "aiter"
-    layout = TokenLayout.STANDARD
     capabilities = _caps(
-        STD,
         {"bf16", "mxfp4"} | FP8_AT | FP8_BLOCK,
         GATED | {Activation.SWIGLUOAI},
         "aiter",
@@ -280,5 +273,4 @@ class AiterExperts(_Adapter):
 
 class PallasExperts(_Adapter):
     name = "pallas"
-    layout = TokenLayout.STANDARD
-    capabilities = _caps(STD, {"bf16"}, {Activation.SILU}, "torch_xla", None, platforms=("tpu",), seeds=("pallas",))
+    capabilities = _caps({"bf16"}, {Activation.SILU}, "torch_xla", None, platforms=("tpu",), seeds=("pallas",))

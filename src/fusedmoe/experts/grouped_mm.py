@@ -51,7 +51,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from ..contract import TokenLayout, WeightedReduce
+from ..contract import TokenLayout
 from ..errors import expect
 from ..kernels.act_quant import act_and_quantize, act_and_quantize_ref
 from ..kernels.moe_sum import moe_sum
@@ -89,7 +89,6 @@ def _b_operand(q: QTensor, tq, layout: str) -> tuple[torch.Tensor, torch.Tensor 
 class GroupedMMExperts(Experts):
     name = "grouped_mm"
     layout = TokenLayout.STANDARD
-    reduce = WeightedReduce.NONE
     capabilities = Capabilities(
         layouts=frozenset({TokenLayout.STANDARD}),
         schemes=_schemes(),

@@ -164,7 +164,6 @@ class ReferenceExperts(Experts):
 
     name = "reference"
     layout = TokenLayout.STANDARD
-    reduce = WeightedReduce.NONE
     batched_twin = "reference_batched"
     capabilities = Capabilities(
         layouts=frozenset({TokenLayout.STANDARD}),

@@ -72,7 +72,7 @@ from ..contract import TokenLayout, WeightedReduce, Workspace, quantized_layout,
 from ..kernels._common import interpreting
 from ..kernels.act_quant import act_and_quantize, quantize_activations
 from ..kernels.align import moe_align
-from ..kernels.gemm_format import ActEpilogue, GemmFormat, scheme_key
+from ..kernels.gemm_format import ActEpilogue, GemmCall, GemmFormat, scheme_key
 from ..kernels.grouped_gemm import grouped_gemm, grouped_gemm_batched
 from ..kernels.grouped_gemm_w4 import supports as w4_supports
 from ..kernels.grouped_gemm_w4 import w4_gemm_launch, w4_launch_config
@@ -85,6 +85,18 @@ from .base import ALL_SCHEMES, Capabilities, Experts
 
 # Under the interpreter the kernels also run on the CPU (CI checks them there).
 _PLATFORMS = frozenset({"cuda"} | ({"cpu"} if interpreting() else set()))
+
+
+def _caps(layout: TokenLayout, note: str, seed: str) -> Capabilities:
+    """Both Triton backends: every scheme, on CUDA from sm80 (and the CPU under the interpreter), in one layout."""
+    return Capabilities(
+        layouts=frozenset({layout}),
+        schemes=ALL_SCHEMES,
+        platforms=_PLATFORMS,
+        min_capability=(8, 0),
+        note=note,
+        seed_names=(seed,),
+    )
 
 
 def _needs_native_fp8(scheme) -> bool:
@@ -254,16 +266,8 @@ class _TritonBase(Experts):
 class TritonExperts(_TritonBase):
     name = "triton"
     layout = TokenLayout.STANDARD
-    reduce = WeightedReduce.NONE
     batched_twin = "triton_batched"
-    capabilities = Capabilities(
-        layouts=frozenset({TokenLayout.STANDARD}),
-        schemes=ALL_SCHEMES,
-        platforms=_PLATFORMS,
-        min_capability=(8, 0),
-        note="fused grouped-GEMM Triton kernels, every scheme",
-        seed_names=("triton",),
-    )
+    capabilities = _caps(TokenLayout.STANDARD, "fused grouped-GEMM Triton kernels, every scheme", "triton")
 
     def workspace(self, num_tokens: int, num_local_experts: int) -> Workspace:
         pairs = num_tokens * self.config.top_k
@@ -305,9 +309,8 @@ class TritonExperts(_TritonBase):
         if plan.lc2.split_k > 1:
             # split-K partials [S, T*K, H] (router weight applied): moe_sum adds them up with the top-k sum
             fmt = GemmFormat.of(sch.w2, sch.a2, cfg.hidden_size, cfg.intermediate_size)
-            p = w4_gemm_launch(
-                a2, w2, y, fmt, plan.lc2, routing=routing, bias=weights.b2, route_weights=route_w, reduce=False
-            )
+            call = GemmCall(routing, bias=weights.b2, route_weights=route_w)
+            p = w4_gemm_launch(a2, w2, y, fmt, plan.lc2, call, reduce=False)
             y = y if p is None else p
         else:
             grouped_gemm(a2, w2, routing, bias=weights.b2, topk_weights=route_w, out=y, config=plan.lc2)
@@ -318,13 +321,10 @@ class TritonBatchedExperts(_TritonBase):
     name = "triton_batched"
     layout = TokenLayout.BATCHED
     reduce = WeightedReduce.WEIGHT_AND_SUM
-    capabilities = Capabilities(
-        layouts=frozenset({TokenLayout.BATCHED}),
-        schemes=ALL_SCHEMES,
-        platforms=_PLATFORMS,
-        min_capability=(8, 0),
-        note="Triton grouped GEMMs on the batched layout (counts read on the device)",
-        seed_names=("triton (batched)",),
+    capabilities = _caps(
+        TokenLayout.BATCHED,
+        "Triton grouped GEMMs on the batched layout (counts read on the device)",
+        "triton (batched)",
     )
 
     def workspace(self, num_tokens: int, num_local_experts: int) -> Workspace:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..contract import TokenLayout, WeightedReduce
+from ..contract import TokenLayout
 from ..platform import current_platform
 from .base import Experts
 from .grouped_mm import GroupedMMExperts
@@ -27,7 +27,6 @@ from .triton import TritonExperts
 class TritonOrGroupedMMExperts(Experts):
     name = "triton_or_grouped_mm"
     layout = TokenLayout.STANDARD
-    reduce = WeightedReduce.NONE
     capabilities = replace(
         GroupedMMExperts.capabilities,
         platforms=frozenset({"cuda"}),

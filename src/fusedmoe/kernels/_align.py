@@ -48,6 +48,22 @@ def _block_experts(block_expert_ptr, end, num_padded, num_blocks, BLOCK_M: tl.co
 
 
 @triton.jit
+def _expert_runs(total, bins, is_expert, expert_counts_ptr, num_padded_ptr, block_expert_ptr, num_blocks,
+                 BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr):  # fmt: skip
+    """From the pairs per bin ``total`` [BINS] (0 past the local experts): writes expert_counts,
+    num_padded and block_expert, and returns the first slot of each expert's run (its pairs
+    padded to whole BLOCK_M blocks, runs back to back). The offsets kernel and the one-launch
+    kernel share it."""
+    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    end = tl.cumsum(padded, 0)
+    num_padded = tl.sum(padded, 0)
+    tl.store(expert_counts_ptr + bins, total, mask=is_expert)
+    tl.store(num_padded_ptr, num_padded)
+    _block_experts(block_expert_ptr, end, num_padded, num_blocks, BLOCK_M, BLOCK_B)
+    return end - padded
+
+
+@triton.jit
 def _align_count_kernel(
     topk_ids_ptr,
     expert_map_ptr,
@@ -93,21 +109,15 @@ def _align_offsets_kernel(
     for c in range(num_chunks):
         total += tl.load(chunk_counts_ptr + c * BINS + bins)
     total = tl.where(is_expert, total, 0)
-    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    end = tl.cumsum(padded, 0)
-    num_padded = tl.sum(padded, 0)
-    tl.store(expert_counts_ptr + bins, total, mask=is_expert)
-    tl.store(num_padded_ptr, num_padded)
+    run = _expert_runs(total, bins, is_expert, expert_counts_ptr, num_padded_ptr, block_expert_ptr, num_blocks,
+                       BLOCK_M, BLOCK_B)  # fmt: skip
 
     # base[c, e] = (first slot of e) + (pairs of e in earlier chunks) - (first position of e
     # in chunk c sorted by expert); the scatter adds the sorted position.
-    run = end - padded
     for c in range(num_chunks):
         cnt = tl.where(is_expert, tl.load(chunk_counts_ptr + c * BINS + bins), 0)
         tl.store(chunk_base_ptr + c * BINS + bins, run - (tl.cumsum(cnt, 0) - cnt))
         run += cnt
-
-    _block_experts(block_expert_ptr, end, num_padded, num_blocks, BLOCK_M, BLOCK_B)
 
 
 @triton.jit
@@ -136,40 +146,28 @@ def _align_scatter_kernel(
 
 @triton.jit
 def _align_one_kernel(
-    topk_ids_ptr,
-    expert_map_ptr,
+    topk_ids_ptr, expert_map_ptr,
     base_ptr,  # int32 [BINS] scratch: each expert's base slot, read back by other threads
-    sorted_ids_ptr,  # int32 [P] out
-    block_expert_ptr,  # int32 [num_blocks] out
-    num_padded_ptr,  # int32 [1] out
-    expert_counts_ptr,  # int32 [E_L] out
-    num_pairs,
-    num_slots,
-    num_blocks,
-    E_G,
-    E_L,
+    sorted_ids_ptr, block_expert_ptr, num_padded_ptr, expert_counts_ptr,  # out, as AlignedRouting holds them
+    num_pairs, num_slots, num_blocks, E_G, E_L,
     HAS_MAP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     CHUNK: tl.constexpr,  # >= num_pairs
     BINS: tl.constexpr,
     FILL: tl.constexpr,
     BLOCK_B: tl.constexpr,
-):
+):  # fmt: skip
     """The three kernels above in one program (grid (1,)), for num_pairs <= CHUNK."""
     i = tl.arange(0, CHUNK)
     e = _local_expert(topk_ids_ptr, expert_map_ptr, i, num_pairs, E_G, E_L, HAS_MAP, BINS)
     bins = tl.arange(0, BINS)
     is_expert = bins < E_L
     total = tl.where(is_expert, tl.histogram(e, BINS), 0)
-    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    end = tl.cumsum(padded, 0)
-    num_padded = tl.sum(padded, 0)
-    tl.store(expert_counts_ptr + bins, total, mask=is_expert)
-    tl.store(num_padded_ptr, num_padded)
-    _block_experts(block_expert_ptr, end, num_padded, num_blocks, BLOCK_M, BLOCK_B)
+    start = _expert_runs(total, bins, is_expert, expert_counts_ptr, num_padded_ptr, block_expert_ptr, num_blocks,
+                         BLOCK_M, BLOCK_B)  # fmt: skip
 
     # base[e] = (first slot of e) - (first position of e among the pairs sorted by expert)
-    tl.store(base_ptr + bins, end - padded - (tl.cumsum(total, 0) - total))
+    tl.store(base_ptr + bins, start - (tl.cumsum(total, 0) - total))
     sentinel = tl.zeros([FILL], dtype=tl.int32) + num_pairs
     for s0 in range(0, num_slots, FILL):
         o = s0 + tl.arange(0, FILL)

@@ -4,15 +4,26 @@ epilogue both apply."""
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
+
+from .. import env
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for the host. ``triton.cdiv`` is a constexpr function in Triton 3.6: called
+    from Python it unwraps its arguments first, ~5 us a call on the H100 host, several per launch."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of 2 >= n (1 for n <= 1), for the host (see ``cdiv``)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 def interpreting() -> bool:
     """True under the Triton interpreter (``TRITON_INTERPRET=1``, read when Python starts)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return env.raw("TRITON_INTERPRET") == "1"
 
 
 # ---- jit helpers: decoding stored formats (used by the GEMM and the quantizers) -------------
@@ -48,6 +59,19 @@ def e8m0_to_f32(s):
     s = 0 (2^-127, below float32's normal range) gives 0, as a GPU flushing subnormals would.
     """
     return (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+
+
+# ---- jit helpers: tiles of the element-wise kernels (row movers, moe_sum) -------------------
+
+
+@triton.jit
+def row_col_tile(num_rows, num_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """This program's [BLOCK_R, BLOCK_C] tile of a grid (row blocks, column blocks) over a
+    [num_rows, num_cols] array: (rows as int64, so row offsets times strides cannot overflow
+    int32; cols; row_ok; col_ok)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    return rows.to(tl.int64), cols, rows < num_rows, cols < num_cols
 
 
 # ---- jit helpers: element-wise math shared by the activation kernel and GEMM1's epilogue ----

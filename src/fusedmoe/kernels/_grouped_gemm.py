@@ -301,6 +301,77 @@ def _scale_and_bias(
 
 
 @triton.jit
+def _gate_up_cols(offs_n, N, GATED: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """(gate rows, up rows) of W that output columns ``offs_n`` read: under a gated ACT n and
+    N + n, or 2n and 2n + 1 when interleaved; else the columns' own rows (and no up rows: the
+    second is ``offs_n`` again, never read)."""
+    if GATED and INTERLEAVED:
+        g_cols = 2 * offs_n
+        u_cols = g_cols + 1
+    elif GATED:
+        g_cols = offs_n
+        u_cols = offs_n + N
+    else:
+        g_cols = offs_n
+        u_cols = offs_n
+    return g_cols, u_cols
+
+
+@triton.jit
+def _w_step(
+    acc, a, cols, n_ok, k0, offs_k, k_ok, KD, num_w_groups, w_base, ws_base, wz_base, g_base, as_row_ptr, row_ok,
+    stride_wn, stride_wk, stride_wsn, stride_wsk, stride_gk, stride_ask,
+    W_FMT: tl.constexpr, A_GROUP: tl.constexpr, W_BN: tl.constexpr, W_BK: tl.constexpr, ACT_ORDER: tl.constexpr,
+    HAS_ZERO: tl.constexpr, NATIVE_DOT: tl.constexpr, INT_ACC: tl.constexpr, FMA: tl.constexpr,
+    OP_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """One K step of the W rows ``cols`` (the gate rows, or the up rows): (their tile, ``acc``).
+    The dot path multiplies the tile into ``acc`` here; the FMA path leaves ``acc`` as it is and
+    multiplies the gate and up tiles together afterwards (``_fma_rows``)."""
+    b = _w_tile(
+        w_base, ws_base, wz_base, g_base, cols, n_ok, k0, offs_k, k_ok, KD, num_w_groups,
+        stride_wn, stride_wk, stride_wsn, stride_wsk, stride_gk,
+        W_FMT, W_BN, W_BK, ACT_ORDER, HAS_ZERO, NATIVE_DOT, FMA, OP_DTYPE, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
+    if not FMA:
+        acc = _mac(
+            acc, a, b, as_row_ptr, row_ok, ws_base, cols, n_ok, k0, stride_ask, stride_wsn, stride_wsk,
+            W_FMT, A_GROUP, W_BN, W_BK, NATIVE_DOT, INT_ACC, OP_DTYPE,
+        )  # fmt: skip
+    return b, acc
+
+
+@triton.jit
+def _act_epilogue(
+    acc, acc_u, e, g_cols, u_cols, n_ok, row_ok, rw_rows, as_row_ptr, ws_base, w_gscale_ptr, a_gscale_ptr, bias_ptr,
+    route_w_ptr, alpha, limit, stride_age, stride_wsn, stride_be, stride_bn, stride_re, stride_rm,
+    A_FMT: tl.constexpr, A_GROUP: tl.constexpr, W_FMT: tl.constexpr, W_BK: tl.constexpr, HAS_A_GSCALE: tl.constexpr,
+    HAS_W_GSCALE: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, ACT: tl.constexpr,
+    GATED: tl.constexpr,
+):  # fmt: skip
+    """The epilogue before the store, as both grouped-GEMM kernels run it (this one and
+    ``_grouped_gemm_persistent``): the remaining scales and the bias of the gate (and up)
+    accumulator, the activation, the router weight of rows ``rw_rows``. fp32 [BM, BN]."""
+    acc = _scale_and_bias(
+        acc, as_row_ptr, row_ok, ws_base, w_gscale_ptr, a_gscale_ptr, bias_ptr, e, g_cols, n_ok,
+        stride_age, stride_wsn, stride_be, stride_bn,
+        A_FMT, A_GROUP, W_FMT, W_BK, HAS_A_GSCALE, HAS_W_GSCALE, HAS_BIAS,
+    )  # fmt: skip
+    if GATED:
+        up = _scale_and_bias(
+            acc_u, as_row_ptr, row_ok, ws_base, w_gscale_ptr, a_gscale_ptr, bias_ptr, e, u_cols, n_ok,
+            stride_age, stride_wsn, stride_be, stride_bn,
+            A_FMT, A_GROUP, W_FMT, W_BK, HAS_A_GSCALE, HAS_W_GSCALE, HAS_BIAS,
+        )  # fmt: skip
+        acc = apply_act(acc, up, alpha, limit, ACT)
+    else:
+        acc = apply_act(acc, acc, alpha, limit, ACT)
+    if MUL_ROUTED_WEIGHT:
+        acc *= tl.load(route_w_ptr + e * stride_re + rw_rows * stride_rm, mask=row_ok, other=0)[:, None]
+    return acc
+
+
+@triton.jit
 def _grouped_gemm_kernel(
     a_ptr,
     a_scale_ptr,
@@ -374,7 +445,7 @@ def _grouped_gemm_kernel(
     GROUP_M: tl.constexpr,
 ):
     # Walk GROUP_M row tiles per column tile so consecutive programs share W[e] in L2.
-    # 199 lines: one Triton kernel whose signature is the pointers and strides of every operand; address set-up, K
+    # 173 lines: one Triton kernel whose signature is the pointers and strides of every operand; address set-up, K
     # loop and epilogue are @triton.jit helpers, what is left is their wiring.
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -408,14 +479,7 @@ def _grouped_gemm_kernel(
     # multiplied by the same A tile into two accumulators.
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    if GATED and INTERLEAVED:
-        g_cols = 2 * offs_n
-        u_cols = g_cols + 1
-    elif GATED:
-        g_cols = offs_n
-        u_cols = offs_n + N
-    else:
-        g_cols = offs_n
+    g_cols, u_cols = _gate_up_cols(offs_n, N, GATED, INTERLEAVED)
     a_row_ptr = a_ptr + e * stride_ae + a_rows * stride_am
     as_row_ptr = a_scale_ptr + e * stride_ase + a_rows * stride_asm
     w_base = w_ptr + e * stride_we
@@ -454,48 +518,27 @@ def _grouped_gemm_kernel(
         # ---- W tile(s) and multiply-accumulate: the dot path multiplies each [BK, BN] tile as
         # it comes; FMA dequantizes the [BN, BK] gate (and up) tiles, then makes one pass over
         # A's rows for both accumulators (_fma_rows)
-        b = _w_tile(
-            w_base, ws_base, wz_base, g_base, g_cols, n_ok, k0, offs_k, k_ok, KD, num_w_groups,
-            stride_wn, stride_wk, stride_wsn, stride_wsk, stride_gk,
-            W_FMT, W_BN, W_BK, ACT_ORDER, HAS_ZERO, NATIVE_DOT, FMA, OP_DTYPE, BLOCK_N, BLOCK_K,
+        b, acc = _w_step(
+            acc, a, g_cols, n_ok, k0, offs_k, k_ok, KD, num_w_groups, w_base, ws_base, wz_base, g_base, as_row_ptr,
+            row_ok, stride_wn, stride_wk, stride_wsn, stride_wsk, stride_gk, stride_ask,
+            W_FMT, A_GROUP, W_BN, W_BK, ACT_ORDER, HAS_ZERO, NATIVE_DOT, INT_ACC, FMA, OP_DTYPE, BLOCK_N, BLOCK_K,
         )  # fmt: skip
-        if not FMA:
-            acc = _mac(
-                acc, a, b, as_row_ptr, row_ok, ws_base, g_cols, n_ok, k0, stride_ask, stride_wsn, stride_wsk,
-                W_FMT, A_GROUP, W_BN, W_BK, NATIVE_DOT, INT_ACC, OP_DTYPE,
-            )  # fmt: skip
         b_u = b
         if GATED:
-            b_u = _w_tile(
-                w_base, ws_base, wz_base, g_base, u_cols, n_ok, k0, offs_k, k_ok, KD, num_w_groups,
-                stride_wn, stride_wk, stride_wsn, stride_wsk, stride_gk,
-                W_FMT, W_BN, W_BK, ACT_ORDER, HAS_ZERO, NATIVE_DOT, FMA, OP_DTYPE, BLOCK_N, BLOCK_K,
+            b_u, acc_u = _w_step(
+                acc_u, a, u_cols, n_ok, k0, offs_k, k_ok, KD, num_w_groups, w_base, ws_base, wz_base, g_base,
+                as_row_ptr, row_ok, stride_wn, stride_wk, stride_wsn, stride_wsk, stride_gk, stride_ask,
+                W_FMT, A_GROUP, W_BN, W_BK, ACT_ORDER, HAS_ZERO, NATIVE_DOT, INT_ACC, FMA, OP_DTYPE, BLOCK_N, BLOCK_K,
             )  # fmt: skip
-            if not FMA:
-                acc_u = _mac(
-                    acc_u, a, b_u, as_row_ptr, row_ok, ws_base, u_cols, n_ok, k0, stride_ask, stride_wsn, stride_wsk,
-                    W_FMT, A_GROUP, W_BN, W_BK, NATIVE_DOT, INT_ACC, OP_DTYPE,
-                )  # fmt: skip
         if FMA:
             acc, acc_u = _fma_rows(acc, acc_u, a, b, b_u, GATED, BLOCK_M)
 
     # ---- epilogue: remaining scales, bias, activation, router weight, store (quantized)
-    acc = _scale_and_bias(
-        acc, as_row_ptr, row_ok, ws_base, w_gscale_ptr, a_gscale_ptr, bias_ptr, e, g_cols, n_ok,
-        stride_age, stride_wsn, stride_be, stride_bn,
-        A_FMT, A_GROUP, W_FMT, W_BK, HAS_A_GSCALE, HAS_W_GSCALE, HAS_BIAS,
+    acc = _act_epilogue(
+        acc, acc_u, e, g_cols, u_cols, n_ok, row_ok, c_rows, as_row_ptr, ws_base, w_gscale_ptr, a_gscale_ptr, bias_ptr,
+        route_w_ptr, alpha, limit, stride_age, stride_wsn, stride_be, stride_bn, stride_re, stride_rm,
+        A_FMT, A_GROUP, W_FMT, W_BK, HAS_A_GSCALE, HAS_W_GSCALE, HAS_BIAS, MUL_ROUTED_WEIGHT, ACT, GATED,
     )  # fmt: skip
-    if GATED:
-        up = _scale_and_bias(
-            acc_u, as_row_ptr, row_ok, ws_base, w_gscale_ptr, a_gscale_ptr, bias_ptr, e, u_cols, n_ok,
-            stride_age, stride_wsn, stride_be, stride_bn,
-            A_FMT, A_GROUP, W_FMT, W_BK, HAS_A_GSCALE, HAS_W_GSCALE, HAS_BIAS,
-        )  # fmt: skip
-        acc = apply_act(acc, up, alpha, limit, ACT)
-    else:
-        acc = apply_act(acc, acc, alpha, limit, ACT)
-    if MUL_ROUTED_WEIGHT:
-        acc *= tl.load(route_w_ptr + e * stride_re + c_rows * stride_rm, mask=row_ok, other=0)[:, None]
     c_ptrs = c_ptr + e * stride_ce + c_rows[:, None] * stride_cm + offs_n[None, :] * stride_cn
     c_mask = row_ok[:, None] & n_ok[None, :]
     if OUT_QUANT == "none":

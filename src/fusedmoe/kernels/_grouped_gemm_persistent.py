@@ -25,7 +25,7 @@ kernel does not do, done here:
   load as 0, and rows do not mix, so nothing reaches a real row. ``C_SORTED`` writes C by
   slot (GEMM1 can produce GEMM2's A_SORTED input).
 
-Operands meet as in ``_grouped_gemm`` (its ``_mac`` and ``_scale_and_bias`` are used as they
+Operands meet as in ``_grouped_gemm`` (its ``_mac`` and ``_act_epilogue`` are used as they
 are): float x float, and native w8a8 (fp8 x fp8, int8 x int8) with the stored bytes in
 ``tl.dot``, per-K-step scales (1 x g activation groups, bn x bk weight blocks) on each
 partial product, tensor/token/channel scales once at the end; float x 8-bit weights with
@@ -59,8 +59,8 @@ import triton
 import triton.language as tl
 
 from ._act_quant import _abs_bits, _scale_of
-from ._common import apply_act, quant_linear
-from ._grouped_gemm import _mac, _scale_and_bias
+from ._common import quant_linear
+from ._grouped_gemm import _act_epilogue, _gate_up_cols, _mac
 
 
 @triton.jit
@@ -201,26 +201,13 @@ def _epilogue_piece(
     """Output columns n0..n0+PIECE_N of the tile: scales, bias, activation, router weight, store."""
     offs_n = n0 + tl.arange(0, PIECE_N)
     n_ok = offs_n < N
-    if GATED and INTERLEAVED:
-        g_cols = 2 * offs_n
-    else:
-        g_cols = offs_n
-    # _scale_and_bias's global scales belong to NVFP4 (not served): off, any pointer
-    acc = _scale_and_bias(
-        acc, as_row_ptr, row_ok, ws_base, c_ptr, c_ptr, bias_ptr, e, g_cols, n_ok,
-        0, stride_wsn, stride_be, stride_bn, A_FMT, A_GROUP, W_FMT, W_BK, False, False, HAS_BIAS,
+    g_cols, u_cols = _gate_up_cols(offs_n, N, GATED, INTERLEAVED)
+    # the global scales belong to NVFP4 (not served): off, any pointer
+    acc = _act_epilogue(
+        acc, acc_u, e, g_cols, u_cols, n_ok, row_ok, rw_rows, as_row_ptr, ws_base, c_ptr, c_ptr, bias_ptr, route_w_ptr,
+        alpha, limit, 0, stride_wsn, stride_be, stride_bn, stride_re, stride_rm,
+        A_FMT, A_GROUP, W_FMT, W_BK, False, False, HAS_BIAS, MUL_ROUTED_WEIGHT, ACT, GATED,
     )  # fmt: skip
-    if GATED:
-        u_cols = g_cols + 1 if INTERLEAVED else offs_n + N
-        up = _scale_and_bias(
-            acc_u, as_row_ptr, row_ok, ws_base, c_ptr, c_ptr, bias_ptr, e, u_cols, n_ok,
-            0, stride_wsn, stride_be, stride_bn, A_FMT, A_GROUP, W_FMT, W_BK, False, False, HAS_BIAS,
-        )  # fmt: skip
-        acc = apply_act(acc, up, alpha, limit, ACT)
-    else:
-        acc = apply_act(acc, acc, alpha, limit, ACT)
-    if MUL_ROUTED_WEIGHT:
-        acc *= tl.load(route_w_ptr + e * stride_re + rw_rows * stride_rm, mask=row_ok, other=0)[:, None]
     c_row_ptr = c_ptr + e * stride_ce + c_rows * stride_cm
     c_ptrs = c_row_ptr[:, None] + offs_n[None, :] * stride_cn
     c_mask = row_ok[:, None] & n_ok[None, :]
@@ -236,51 +223,25 @@ def _epilogue_piece(
 
 @triton.jit
 def _persistent_gemm_kernel(
-    a_ptr,
-    a_scale_ptr,
-    w_ptr,
-    w_scale_ptr,
-    bias_ptr,
-    route_w_ptr,
+    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, route_w_ptr,
     c_ptr,
     c_scale_ptr,  # OUT_QUANT "fp8"/"int8": the static scale [1], read; "fp8_group": [rows, G], written
-    sorted_ids_ptr,
-    block_expert_ptr,
-    num_padded_ptr,
-    counts_ptr,
+    sorted_ids_ptr, block_expert_ptr, num_padded_ptr, counts_ptr,
     N,  # columns of C (I under a gated ACT, whose W has N_W = 2N rows)
-    N_W,
-    KD,
-    num_pairs,
-    a_div,
-    m_max,
-    blocks_per_expert,
+    N_W, KD, num_pairs, a_div, m_max, blocks_per_expert,
     num_m_blocks,  # batched: E * blocks_per_expert (standard: read from num_padded)
     a_rows_total,  # rows of A's descriptor (A_SORTED)
     w_rows_total,  # E * N_W
     num_groups,  # ceil(N / OUT_GROUP)
-    alpha,
-    limit,
-    stride_ae,
-    stride_am,
-    stride_ak,
-    stride_ase,
-    stride_asm,
-    stride_ask,
-    stride_wn,
-    stride_wse,
-    stride_wsn,
-    stride_wsk,
-    stride_be,
-    stride_bn,
-    stride_re,
-    stride_rm,
-    stride_ce,
-    stride_cm,
-    stride_cn,
-    stride_cse,
-    stride_csm,
-    stride_csg,
+    alpha, limit,
+    stride_ae, stride_am, stride_ak,  # strides: one line per operand, the expert's first
+    stride_ase, stride_asm, stride_ask,
+    stride_wn,  # W is read through a [E * N_W, K] descriptor: its row stride only
+    stride_wse, stride_wsn, stride_wsk,
+    stride_be, stride_bn,
+    stride_re, stride_rm,
+    stride_ce, stride_cm, stride_cn,
+    stride_cse, stride_csm, stride_csg,
     BATCHED: tl.constexpr,
     A_SORTED: tl.constexpr,  # A rows by slot, read through a descriptor (module docstring)
     C_SORTED: tl.constexpr,  # C rows by slot
@@ -306,10 +267,10 @@ def _persistent_gemm_kernel(
     SUBTILE: tl.constexpr,  # epilogue column pieces: 1 or 2
     FLATTEN: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
-):
+):  # fmt: skip
     # One body for every layout and format: the branches are constexpr, so each compiled
     # variant holds only its own path (the old kernel is organised the same way).
-    # 143 lines: one Triton kernel: descriptors, the tile loop and the epilogue share the persistent program's state;
+    # 119 lines: one Triton kernel: descriptors, the tile loop and the epilogue share the persistent program's state;
     # the per-tile pieces are @triton.jit helpers.
     WIDE: tl.constexpr = GATED and INTERLEAVED  # one [BM, 2BN] accumulator, split after the K loop
     BNL: tl.constexpr = 2 * BLOCK_N if WIDE else BLOCK_N  # W rows per descriptor load

@@ -5,6 +5,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._common import row_col_tile
+
 
 @triton.jit
 def _scatter_rows_kernel(
@@ -23,11 +25,7 @@ def _scatter_rows_kernel(
     BLOCK_D: tl.constexpr,
 ):
     """dst[idx[n, j]] = src[n] for every j with 0 <= idx[n, j] < LIMIT (one load, up to J stores)."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    row_ok = rows < N
-    col_ok = cols < D
-    r64 = rows.to(tl.int64)
+    r64, cols, row_ok, col_ok = row_col_tile(N, D, BLOCK_N, BLOCK_D)
     v = tl.load(src_ptr + r64[:, None] * stride_sn + cols[None, :], mask=row_ok[:, None] & col_ok[None, :])
     for j in tl.static_range(J):
         d = tl.load(idx_ptr + r64 * stride_in + j * stride_ij, mask=row_ok, other=-1).to(tl.int64)
@@ -57,11 +55,7 @@ def _gather_sum_kernel(
 ):
     """out[n] = sum over j of (w[n, j] *) src[idx[n, j]], j in order, in fp32; indices outside
     [0, LIMIT) add nothing (their rows are never read, so stale or NaN rows cannot leak in)."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    row_ok = rows < N
-    col_ok = cols < H
-    r64 = rows.to(tl.int64)
+    r64, cols, row_ok, col_ok = row_col_tile(N, H, BLOCK_N, BLOCK_H)
     acc = tl.zeros([BLOCK_N, BLOCK_H], dtype=tl.float32)
     for j in tl.static_range(J):
         s = tl.load(idx_ptr + r64 * stride_in + j * stride_ij, mask=row_ok, other=-1).to(tl.int64)

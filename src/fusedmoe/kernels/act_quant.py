@@ -18,14 +18,13 @@ model dtype (2 bytes per element each way) and one launch. The references are
 from __future__ import annotations
 
 import torch
-import triton
 
 from ..activations import apply_activation
 from ..config import Activation, MoEConfig
 from ..errors import expect
 from ..quant import QDtype, QTensor, TensorQuant, quantize
 from ._act_quant import _act_quant_kernel
-from ._common import interpreting
+from ._common import cdiv, interpreting
 from .launch import launch
 
 _QUANT = {QDtype.FP8: "fp8", QDtype.INT8: "int8", QDtype.MXFP8: "mxfp8", QDtype.NVFP4: "nvfp4"}
@@ -123,14 +122,14 @@ def act_quant_launch(
         s_out = scale.reshape(1, 1).float().contiguous()  # read, not written
     else:
         s_dtype = {"mxfp8": torch.uint8, "nvfp4": torch.float8_e4m3fn}.get(quant, torch.float32)
-        s_shape = {"tensor_dyn": (1, 1), "token": (m, 1)}.get(kind, (m, triton.cdiv(cols, max(group, 1))))
+        s_shape = {"tensor_dyn": (1, 1), "token": (m, 1)}.get(kind, (m, cdiv(cols, max(group, 1))))
         s_out = torch.empty(s_shape, dtype=s_dtype, device=dev) if out is None else out.scale
         expect(tuple(s_out.shape) == s_shape and s_out.dtype == s_dtype, "out.scale", f"{s_shape} {s_dtype}", s_out)
     if (m == 0 or cols == 0) and kind == "tensor_dyn":
         s_out.fill_(1.0)  # the amax of nothing is 0, whose scale is 1 (quant.linear)
     if m > 0 and cols > 0:
         bm, bk = _tiles(kind, group, m)
-        grid = (triton.cdiv(m, bm), 1 if kind == "token" else triton.cdiv(cols, bk))
+        grid = (cdiv(m, bm), 1 if kind == "token" else cdiv(cols, bk))
         amax = torch.zeros(1, dtype=torch.float32, device=dev) if kind == "tensor_dyn" else data
         s_arg = data if s_out is None else s_out.view(torch.uint8) if s_out.dtype == torch.float8_e4m3fn else s_out
         q_arg = data.view(torch.uint8) if data.dtype == torch.float8_e4m3fn else data

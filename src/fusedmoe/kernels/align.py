@@ -19,12 +19,11 @@ At decode each launch costs 2-4 us on an H100, more than the work itself.
 from __future__ import annotations
 
 import torch
-import triton
 
 from ..errors import expect
 from ..metadata import AlignedRouting
 from ._align import _align_count_kernel, _align_offsets_kernel, _align_one_kernel, _align_scatter_kernel
-from ._common import interpreting
+from ._common import cdiv, interpreting, next_power_of_2
 from .launch import launch
 
 # Pairs per program of the count and scatter kernels. 1024 keeps the sort of one chunk
@@ -66,13 +65,13 @@ def moe_align_launch(
     num_blocks = num_slots // block_m
     dev = topk_ids.device
     if chunk is None:
-        chunk = min(_MAX_CHUNK, max(16, triton.next_power_of_2(num_pairs)))
+        chunk = min(_MAX_CHUNK, max(16, next_power_of_2(num_pairs)))
     expect(chunk >= 16 and chunk & (chunk - 1) == 0, "chunk", "a power of 2 >= 16", chunk)
-    num_chunks = max(1, triton.cdiv(num_pairs, chunk))
+    num_chunks = max(1, cdiv(num_pairs, chunk))
     if one_launch is None:
         one_launch = num_chunks == 1
     expect(not one_launch or num_chunks == 1, "one_launch", f"T*K ({num_pairs}) <= chunk ({chunk})", one_launch)
-    bins = triton.next_power_of_2(num_local_experts + 1)  # last bin collects non-local pairs
+    bins = next_power_of_2(num_local_experts + 1)  # last bin collects non-local pairs
 
     ids = topk_ids.contiguous()
     has_map = expert_map is not None

@@ -1,7 +1,8 @@
 """What the grouped-GEMM kernels agree on: the operand formats (``GemmFormat``), GEMM1's
-activation epilogue (``ActEpilogue``), the scheme key of the tuned-config tables, and the stride
-and byte-view helpers of their launchers. Every grouped-GEMM launcher (``grouped_gemm``,
-``grouped_gemm_persistent``) imports from here; this module imports none of them.
+activation epilogue (``ActEpilogue``), the scheme key of the tuned-config tables, and what their
+launchers share: the row blocks and per-row strides (``RowBlocks``), the constexprs both kernels
+take (``shared_constexprs``), the stride and byte-view helpers. Every grouped-GEMM launcher
+(``grouped_gemm``, ``grouped_gemm_persistent``) imports from here; this module imports none of them.
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ import triton.language as tl
 
 from ..config import Activation, MoEConfig
 from ..errors import expect
+from ..metadata import AlignedRouting
 from ..quant import QDtype, TensorQuant
+from ._common import cdiv, interpreting
+from .launch_config import LaunchConfig
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 _A_FORMATS = {QDtype.FP8: "fp8", QDtype.INT8: "int8", QDtype.MXFP8: "mxfp8", QDtype.NVFP4: "nvfp4"}
@@ -142,6 +146,27 @@ class ActEpilogue:
         return model_dtype if self.quant is None else _OUT_QUANT[self.quant.dtype][1]
 
 
+@dataclass(frozen=True)
+class GemmCall:
+    """What one grouped-GEMM launch takes besides its operands, output, format and config: where
+    A's rows come from (``routing`` and ``a_div`` in the standard layout, ``counts`` [E_l] in the
+    batched one) and what the epilogue adds (``bias`` [E_l, N], one router weight per row of C,
+    GEMM1's activation with its static output scale). Every launch function of the family
+    (``grouped_gemm_launch``, ``persistent_gemm_launch``, ``w4_gemm_launch``) takes one."""
+
+    routing: AlignedRouting | None = None
+    counts: torch.Tensor | None = None
+    a_div: int = 1
+    bias: torch.Tensor | None = None
+    route_weights: torch.Tensor | None = None
+    act: ActEpilogue | None = None
+    act_scale: torch.Tensor | None = None
+
+    def unpacked(self) -> tuple:
+        """(routing, counts, a_div, bias, route_weights, act, act_scale)."""
+        return self.routing, self.counts, self.a_div, self.bias, self.route_weights, self.act, self.act_scale
+
+
 def scheme_key(w_quant: TensorQuant | None, a_quant: TensorQuant | None) -> str:
     """Short name of the kernel variant, the key of launch-config tables."""
     if w_quant is None:
@@ -154,8 +179,11 @@ def scheme_key(w_quant: TensorQuant | None, a_quant: TensorQuant | None) -> str:
     return w
 
 
-def _strides(t: torch.Tensor, ndim: int) -> tuple[int, ...]:
-    """Strides of ``t`` right-aligned to ``ndim`` dims; 0 where a dim has size 1 (broadcast)."""
+def _strides(t: torch.Tensor | None, ndim: int) -> tuple[int, ...]:
+    """Strides of ``t`` right-aligned to ``ndim`` dims; 0 where a dim has size 1 (broadcast), all 0
+    without a tensor (an absent operand)."""
+    if t is None:
+        return (0,) * ndim
     shape = (1,) * (ndim - t.dim()) + tuple(t.shape)
     stride = (0,) * (ndim - t.dim()) + tuple(t.stride())
     return tuple(0 if s == 1 else st for s, st in zip(shape, stride, strict=True))
@@ -167,3 +195,90 @@ def _u8(t: torch.Tensor | None) -> torch.Tensor | None:
     if t is not None and t.dtype in (torch.float8_e4m3fn, torch.float8_e8m0fnu):
         return t.view(torch.uint8)
     return t
+
+
+def optional_ptrs(dummy: torch.Tensor, *tensors: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """Pointer arguments of a launch: an absent operand (None) passes ``dummy`` instead, which
+    the kernel never reads (its constexpr says the operand is absent)."""
+    return tuple(dummy if t is None else t for t in tensors)
+
+
+@dataclass(frozen=True)
+class RowBlocks:
+    """The row blocks a grouped-GEMM launch walks and how it addresses per-row operands.
+
+    Batched layout (no routing): [E, M_max, .] operands, ``blocks_per_expert`` blocks of BM rows
+    for each expert (BM = 1: one per row). Standard layout: the aligned blocks of ``routing``
+    (``num_m_blocks`` is their count, an upper bound of those in use) over [rows, .] operands,
+    addressed as [1, rows, .] with an expert stride of 0.
+    """
+
+    batched: bool
+    m_max: int  # batched: rows per expert (standard: 0)
+    blocks_per_expert: int  # batched (standard: 0)
+    num_m_blocks: int
+    num_pairs: int  # standard: T*K (batched: 0)
+
+    @classmethod
+    def of(cls, a: torch.Tensor, e_l: int, block_m: int, routing: AlignedRouting | None) -> RowBlocks:
+        if routing is None:
+            m_max = a.shape[1]
+            per_expert = cdiv(m_max, block_m)
+            return cls(True, m_max, per_expert, e_l * per_expert, 0)
+        return cls(False, 0, 0, routing.block_expert.numel(), routing.num_pairs)
+
+    def strides(self, t: torch.Tensor) -> tuple[int, ...]:
+        """``t``'s strides, the expert's first (0 for a standard-layout [rows, .] tensor)."""
+        return t.stride() if self.batched else (0, *t.stride())
+
+    def scale_strides(self, scale: torch.Tensor | None) -> tuple[int, ...]:
+        """(expert, row, group) strides of an activation scale ([1, 1], [rows, 1] or [rows, G];
+        batched [E, M_max, .]): 0 where it broadcasts, all 0 without one."""
+        s = _strides(scale, 3 if self.batched else 2)
+        return s if self.batched else (0, *s)
+
+    def route_weights(self, w: torch.Tensor | None) -> tuple[torch.Tensor | None, tuple[int, int]]:
+        """(weights, (expert, row) strides) of the router weights: batched [E, M_max] (0 where they
+        broadcast); standard one per pair, read flat ([T, K] or [T*K])."""
+        if w is None:
+            return None, (0, 0)
+        if self.batched:
+            return w, _strides(w, 2)
+        w = w.reshape(-1)
+        return w, (0, w.stride(0))
+
+
+def shared_constexprs(
+    fmt: GemmFormat,
+    cfg: LaunchConfig,
+    act: ActEpilogue | None,
+    batched: bool,
+    bias: torch.Tensor | None,
+    route_weights: torch.Tensor | None,
+    out_quant: str,
+) -> dict:
+    """The constexprs and launch options that both grouped-GEMM kernels (``_grouped_gemm``,
+    ``_grouped_gemm_persistent``) take under the same names, from the same sources (``bias``
+    and ``route_weights``: the launch's, or None)."""
+    return {
+        "BATCHED": batched,
+        "A_FMT": fmt.a_fmt,
+        "A_GROUP": fmt.a_group,
+        "W_FMT": fmt.w_fmt,
+        "W_BN": fmt.w_bn,
+        "W_BK": fmt.w_bk,
+        "NATIVE": fmt.native,
+        "HAS_BIAS": bias is not None,
+        "MUL_ROUTED_WEIGHT": route_weights is not None,
+        "ACT": "none" if act is None else act.activation.value,
+        "GATED": act is not None and act.activation.is_gated,
+        "INTERLEAVED": act is not None and act.gate_up_interleaved,
+        "OUT_QUANT": out_quant,
+        "EXACT_CAST": interpreting(),
+        "BLOCK_M": cfg.block_m,
+        "BLOCK_N": cfg.block_n,
+        "BLOCK_K": cfg.block_k,
+        "GROUP_M": cfg.group_m,
+        "num_warps": cfg.num_warps,
+        "num_stages": cfg.num_stages,
+    }

@@ -41,7 +41,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-import triton
 import triton.language as tl
 
 from ..activations import apply_activation
@@ -50,82 +49,60 @@ from ..metadata import AlignedRouting
 from ..quant import Operand, dequantize, fake_quantize, quantize
 from ..quant.w4_layout import is_w4
 from . import grouped_gemm_persistent as _persistent
-from ._common import interpreting
+from ._common import cdiv, interpreting
 from ._grouped_gemm import _grouped_gemm_kernel
-from .gemm_format import _OUT_QUANT, _TL_DTYPE, ActEpilogue, GemmFormat, _strides, _u8, scheme_key
+from .gemm_format import (
+    _OUT_QUANT,
+    _TL_DTYPE,
+    ActEpilogue,
+    GemmCall,
+    GemmFormat,
+    RowBlocks,
+    _strides,
+    _u8,
+    optional_ptrs,
+    scheme_key,
+    shared_constexprs,
+)
 from .grouped_gemm_w4 import w4_gemm_launch
 from .launch import launch
 from .launch_config import LaunchConfig, fit_launch_config, gated_act_config, pick_launch_config
 
 
 def grouped_gemm_launch(
-    a: Operand,
-    w: Operand,
-    c: torch.Tensor,
-    fmt: GemmFormat,
-    cfg: LaunchConfig,
-    *,
-    routing: AlignedRouting | None = None,
-    counts: torch.Tensor | None = None,
-    a_div: int = 1,
-    bias: torch.Tensor | None = None,
-    route_weights: torch.Tensor | None = None,
-    act: ActEpilogue | None = None,
-    act_scale: torch.Tensor | None = None,
+    a: Operand, w: Operand, c: torch.Tensor, fmt: GemmFormat, cfg: LaunchConfig, call: GemmCall
 ) -> None:
-    """Launch the kernel into ``c``: standard layout with ``routing``, batched with ``counts``.
+    """Launch the kernel into ``c``: standard layout with ``call.routing``, batched with ``call.counts``.
 
     Shapes are not re-validated here (``grouped_gemm`` does it); ``cfg.block_m`` must
     equal ``routing.block_m`` in the standard layout. With ``act``, ``cfg.block_n`` counts
     columns of the activation output C. ``cfg.persistent``: the persistent TMA kernel
     (``grouped_gemm_persistent``) where it serves the call, else this one.
     """
-    # 156 lines: maps every operand to the kernel's ~70 pointers, strides and constexprs in its argument order; split,
+    # 105 lines: maps every operand to the kernel's ~70 pointers, strides and constexprs in its argument order; split,
     # that order would be spread over several functions.
     if is_w4(w.q):  # converted at load (quant.w4_layout): the 4-bit kernel
-        w4_gemm_launch(
-            a, w, c, fmt, cfg, routing=routing, counts=counts, a_div=a_div, bias=bias, route_weights=route_weights,
-            act=act, act_scale=act_scale,
-        )  # fmt: skip
+        w4_gemm_launch(a, w, c, fmt, cfg, call)
         return
+    routing, counts, a_div, bias, route_weights, act, act_scale = call.unpacked()
     if cfg.persistent:
         pk = _persistent
         served = pk.supports(fmt, act, a=a.data, w=w.q, c=c, cfg=cfg, routing=routing) is None
         if served or any(pk.sorted_layout(a.data, c, routing)):  # slot-ordered rows: only it reads them
-            return pk.persistent_gemm_launch(
-                a, w, c, fmt, cfg, routing=routing, counts=counts, a_div=a_div, bias=bias, route_weights=route_weights,
-                act=act, act_scale=act_scale,
-            )  # fmt: skip
+            return pk.persistent_gemm_launch(a, w, c, fmt, cfg, call)
     a_scale, a_global_scale = a.scale, a.global_scale
     a, w = a.data, w.q
-    batched = routing is None
     e_l, n_w, kd = w.shape
     n = n_w if act is None else act.out_cols(n_w)
-    if batched:
-        m_max = a.shape[1]
-        blocks_per_expert = triton.cdiv(m_max, cfg.block_m)  # BM = 1: one program per row
-        num_m_blocks = e_l * blocks_per_expert
-        num_pairs = 0
-        a_str = a.stride()
-        c_str = c.stride()
-    else:
-        m_max = blocks_per_expert = 0
-        num_m_blocks = routing.block_expert.numel()
-        num_pairs = routing.num_pairs
-        a_str = (0, *a.stride())
-        c_str = (0, *c.stride())
-    if num_m_blocks == 0 or n == 0 or c.numel() == 0:
+    rows = RowBlocks.of(a, e_l, cfg.block_m, routing)
+    if rows.num_m_blocks == 0 or n == 0 or c.numel() == 0:
         return
     c_arg = _u8(c)  # fp8 codes are stored as bytes
     dummy = c_arg
-    scale_nd = 3 if batched else 2
     a_scale = _u8(a_scale)
-    as_str = _strides(a_scale, scale_nd) if a_scale is not None else (0,) * scale_nd
-    if not batched:
-        as_str = (0, *as_str)
     ag = a_global_scale.reshape(-1).float().contiguous() if a_global_scale is not None else None
     w_scale = _u8(w.scale)
-    ws_str = _strides(w_scale, 3) if w_scale is not None else (0, 0, 0)
+    ws_str = _strides(w_scale, 3)
     if w.zero is not None:
         expect(
             w.zero.shape == w_scale.shape and _strides(w.zero, 3) == ws_str,
@@ -135,13 +112,7 @@ def grouped_gemm_launch(
         )
     wg = w.global_scale.reshape(-1).float().contiguous() if w.global_scale is not None else None
     g_idx = w.g_idx if fmt.act_order else None
-    if route_weights is not None and not batched:
-        route_weights = route_weights.reshape(-1)
-    rw_str = (
-        (_strides(route_weights, 2) if batched else (0, route_weights.stride(0)))
-        if route_weights is not None
-        else (0, 0)
-    )
+    route_weights, rw_str = rows.route_weights(route_weights)
     out_quant = "none" if act is None or act.quant is None else _OUT_QUANT[act.quant.dtype][0]
     c_scale = act_scale.reshape(1).float().contiguous() if out_quant != "none" else None
     # the dot path's operand dtype; the FMA path (BM < 16) always multiplies in fp32
@@ -151,70 +122,40 @@ def grouped_gemm_launch(
         dot_dtype = _TL_DTYPE[a.dtype]
     else:
         dot_dtype = tl.bfloat16  # dequantized e4m3/e2m1 x power-of-2 values are exact in bf16
+    batched = rows.batched
+    sorted_ids, block_expert = (None, None) if batched else (routing.sorted_ids, routing.block_expert)
 
-    grid = (num_m_blocks * triton.cdiv(n, cfg.block_n),)
+    grid = (rows.num_m_blocks * cdiv(n, cfg.block_n),)
     launch(
         _grouped_gemm_kernel,
         grid,
-        _u8(a),
-        dummy if a_scale is None else a_scale,
-        dummy if ag is None else ag,
-        _u8(w.data),
-        dummy if w_scale is None else w_scale,
-        dummy if w.zero is None else w.zero,
-        dummy if wg is None else wg,
-        dummy if g_idx is None else g_idx,
-        dummy if bias is None else bias,
-        dummy if route_weights is None else route_weights,
-        c_arg,
-        dummy if c_scale is None else c_scale,
-        dummy if batched else routing.sorted_ids,
-        dummy if batched else routing.block_expert,
-        counts if batched else dummy,
+        *optional_ptrs(dummy, _u8(a), a_scale, ag, _u8(w.data), w_scale, w.zero, wg, g_idx, bias, route_weights),
+        *optional_ptrs(dummy, c_arg, c_scale, sorted_ids, block_expert, counts if batched else None),
         n,
         kd,
         0 if g_idx is None else w_scale.shape[-1],
-        num_pairs,
+        rows.num_pairs,
         a_div,
-        m_max,
-        blocks_per_expert,
-        num_m_blocks,
+        rows.m_max,
+        rows.blocks_per_expert,
+        rows.num_m_blocks,
         1.702 if act is None else act.swiglu_alpha,
         7.0 if act is None else act.swiglu_limit,
-        *a_str,
-        *as_str,
+        *rows.strides(a),
+        *rows.scale_strides(a_scale),
         0 if ag is None or ag.numel() == 1 else 1,
         *w.data.stride(),
         *ws_str,
         *(g_idx.stride() if g_idx is not None else (0, 0)),
         *(bias.stride() if bias is not None else (0, 0)),
         *rw_str,
-        *c_str,
-        BATCHED=batched,
-        A_FMT=fmt.a_fmt,
-        A_GROUP=fmt.a_group,
-        W_FMT=fmt.w_fmt,
-        W_BN=fmt.w_bn,
-        W_BK=fmt.w_bk,
+        *rows.strides(c),
         ACT_ORDER=g_idx is not None,
         HAS_ZERO=w.zero is not None,
         HAS_A_GSCALE=ag is not None,
         HAS_W_GSCALE=wg is not None,
-        HAS_BIAS=bias is not None,
-        MUL_ROUTED_WEIGHT=route_weights is not None,
-        NATIVE=fmt.native,
         DOT_DTYPE=dot_dtype,
-        ACT="none" if act is None else act.activation.value,
-        GATED=act is not None and act.activation.is_gated,
-        INTERLEAVED=act is not None and act.gate_up_interleaved,
-        OUT_QUANT=out_quant,
-        EXACT_CAST=interpreting(),
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        **shared_constexprs(fmt, cfg, act, batched, bias, route_weights, out_quant),
     )
 
 
@@ -326,10 +267,8 @@ def grouped_gemm(
             )  # fmt: skip
 
         return _fill_from_ref(out, ref_fn, act, act_scale)
-    grouped_gemm_launch(
-        a, w, out, fmt, cfg, routing=routing, a_div=a_div, bias=bias, route_weights=topk_weights, act=act,
-        act_scale=act_scale,
-    )  # fmt: skip
+    call = GemmCall(routing, a_div=a_div, bias=bias, route_weights=topk_weights, act=act, act_scale=act_scale)
+    grouped_gemm_launch(a, w, out, fmt, cfg, call)
     return out
 
 
@@ -372,9 +311,8 @@ def grouped_gemm_batched(
 
         return _fill_from_ref(out, ref_fn, act, act_scale)
     route_weights = None if row_weights is None else row_weights.float()
-    grouped_gemm_launch(
-        a, w, out, fmt, cfg, counts=counts, bias=bias, route_weights=route_weights, act=act, act_scale=act_scale
-    )
+    call = GemmCall(counts=counts, bias=bias, route_weights=route_weights, act=act, act_scale=act_scale)
+    grouped_gemm_launch(a, w, out, fmt, cfg, call)
     return out
 
 

@@ -45,9 +45,19 @@ from ..errors import expect
 from ..metadata import AlignedRouting
 from ..platform import current_platform
 from ..quant import Operand, QDtype, QTensor, TensorQuant
-from ._common import interpreting
+from ._common import cdiv, interpreting
 from ._grouped_gemm_persistent import _persistent_gemm_kernel
-from .gemm_format import _OUT_QUANT, ActEpilogue, GemmFormat, _strides, _u8
+from .gemm_format import (
+    _OUT_QUANT,
+    ActEpilogue,
+    GemmCall,
+    GemmFormat,
+    RowBlocks,
+    _strides,
+    _u8,
+    optional_ptrs,
+    shared_constexprs,
+)
 from .launch import launch
 from .launch_config import LaunchConfig
 
@@ -224,19 +234,7 @@ def _out_quant(act: ActEpilogue | None) -> tuple[str, int]:
 
 
 def persistent_gemm_launch(
-    a: Operand,
-    w: Operand,
-    c: torch.Tensor,
-    fmt: GemmFormat,
-    cfg: LaunchConfig,
-    *,
-    routing: AlignedRouting | None = None,
-    counts: torch.Tensor | None = None,
-    a_div: int = 1,
-    bias: torch.Tensor | None = None,
-    route_weights: torch.Tensor | None = None,
-    act: ActEpilogue | None = None,
-    act_scale: torch.Tensor | None = None,
+    a: Operand, w: Operand, c: torch.Tensor, fmt: GemmFormat, cfg: LaunchConfig, call: GemmCall
 ) -> None:
     """Launch the persistent kernel into ``c``; arguments as ``grouped_gemm_launch``'s.
 
@@ -245,126 +243,83 @@ def persistent_gemm_launch(
     [rows of C, ceil(N / g)] (batched: [E, M_max, ceil(N / g)]) group-scale output.
     Raises ``FusedMoEError`` with ``supports``'s reason where it cannot serve the call.
     """
-    # 143 lines: builds the tensor descriptors and maps every operand to the kernel's arguments in their order; split,
+    # 101 lines: builds the tensor descriptors and maps every operand to the kernel's arguments in their order; split,
     # that order would be spread over several functions.
+    routing, counts, a_div, bias, route_weights, act, act_scale = call.unpacked()
     a_scale, a_global_scale = a.scale, a.global_scale
     a, w = a.data, w.q
     why = supports(fmt, act, a=a, w=w, c=c, cfg=cfg, routing=routing)
     expect(why is None, "persistent grouped GEMM", "a call it serves", why)
     expect(a_global_scale is None, "a_global_scale", "None (NVFP4 is not served)", "a tensor")
-    batched = routing is None
     e_l, n_w, kd = w.shape
     n = n_w if act is None else act.out_cols(n_w)
+    rows = RowBlocks.of(a, e_l, cfg.block_m, routing)
+    batched = rows.batched
     a_sorted, c_sorted = sorted_layout(a, c, routing)
     if batched:
-        m_max = a.shape[1]
         counts = counts.contiguous()  # read at counts + e
-        blocks_per_expert = triton.cdiv(m_max, cfg.block_m)
-        num_m_blocks = e_l * blocks_per_expert
-        num_pairs = 0
         a_sorted = _batched_a_desc(_u8(a))  # already by slot: TMA where the layout allows
-        a_rows_total = e_l * m_max
-        a_str, c_str = a.stride(), c.stride()
+        a_rows_total = e_l * rows.m_max
     else:
-        m_max = blocks_per_expert = 0
-        num_m_blocks = routing.block_expert.numel()  # an upper bound; the kernel reads num_padded
-        num_pairs = routing.num_pairs
-        slots = routing.sorted_ids.numel()
+        num_pairs, slots = routing.num_pairs, routing.sorted_ids.numel()
         ok_a = a_sorted or a.shape[0] * a_div == num_pairs
         expect(ok_a, "a", f"{num_pairs // max(a_div, 1)} rows (by pair) or {slots} (by slot)", tuple(a.shape))
         expect(c_sorted or c.shape[0] == num_pairs, "c", f"{num_pairs} rows (by pair) or {slots} (by slot)", c.shape)
         expect(routing.block_m == cfg.block_m, "cfg.block_m", f"routing.block_m = {routing.block_m}", cfg.block_m)
         a_rows_total = a.shape[0]
-        a_str, c_str = (0, *a.stride()), (0, *c.stride())
-    if num_m_blocks == 0 or n == 0 or c.numel() == 0:
+    if rows.num_m_blocks == 0 or n == 0 or c.numel() == 0:  # standard: an upper bound, the kernel reads num_padded
         return
     out_quant, out_group = _out_quant(act)
-    scale_nd = 3 if batched else 2
     a_scale = _u8(a_scale)
-    as_str = _strides(a_scale, scale_nd) if a_scale is not None else (0,) * scale_nd
-    if not batched:
-        as_str = (0, *as_str)
-    ws_str = _strides(w.scale, 3) if w.scale is not None else (0, 0, 0)
-    if route_weights is not None and not batched:
-        route_weights = route_weights.reshape(-1)
-    rw_str = (0, 0)
-    if route_weights is not None:
-        rw_str = _strides(route_weights, 2) if batched else (0, route_weights.stride(0))
+    route_weights, rw_str = rows.route_weights(route_weights)
     num_groups, cs_str, c_scale = 0, (0, 0, 0), None
     if out_quant == "fp8_group":
-        num_groups = triton.cdiv(n, out_group)
+        num_groups = cdiv(n, out_group)
         want = (*c.shape[:-1], num_groups)
         ok = act_scale is not None and tuple(act_scale.shape) == want and act_scale.dtype == torch.float32
         expect(ok, "act_scale", f"the fp32 {want} group-scale output", None if act_scale is None else act_scale.shape)
         c_scale = act_scale
-        cs_str = act_scale.stride() if batched else (0, *act_scale.stride())
+        cs_str = rows.strides(act_scale)
     elif out_quant != "none":
         c_scale = act_scale.reshape(1).float().contiguous()
     c_arg = _u8(c)
     dummy = c_arg
+    routing_ptrs = (None, None, None) if batched else (routing.sorted_ids, routing.block_expert, routing.num_padded)
     _ensure_allocator()
-    grid = (_num_programs(num_m_blocks * triton.cdiv(n, cfg.block_n)),)
+    grid = (_num_programs(rows.num_m_blocks * cdiv(n, cfg.block_n)),)
     launch(
         _persistent_gemm_kernel,
         grid,
         a if a_sorted else _u8(a),  # descriptors typed (kernel docstring), pointer loads uint8
-        dummy if a_scale is None else a_scale,
-        w.data,
-        dummy if w.scale is None else w.scale,
-        dummy if bias is None else bias,
-        dummy if route_weights is None else route_weights,
-        c_arg,
-        dummy if c_scale is None else c_scale,
-        dummy if batched else routing.sorted_ids,
-        dummy if batched else routing.block_expert,
-        dummy if batched else routing.num_padded,
-        counts if batched else dummy,
+        *optional_ptrs(dummy, a_scale, w.data, w.scale, bias, route_weights, c_arg, c_scale),
+        *optional_ptrs(dummy, *routing_ptrs, counts if batched else None),
         n,
         n_w,
         kd,
-        num_pairs,
+        rows.num_pairs,
         a_div,
-        m_max,
-        blocks_per_expert,
-        num_m_blocks,
+        rows.m_max,
+        rows.blocks_per_expert,
+        rows.num_m_blocks,
         a_rows_total,
         e_l * n_w,
         num_groups,
         1.702 if act is None else act.swiglu_alpha,
         7.0 if act is None else act.swiglu_limit,
-        *a_str,
-        *as_str,
+        *rows.strides(a),
+        *rows.scale_strides(a_scale),
         w.data.stride(1),
-        *ws_str,
+        *_strides(w.scale, 3),
         *(bias.stride() if bias is not None else (0, 0)),
         *rw_str,
-        *c_str,
+        *rows.strides(c),
         *cs_str,
-        BATCHED=batched,
         A_SORTED=a_sorted,
         C_SORTED=c_sorted,
-        A_FMT=fmt.a_fmt,
-        A_GROUP=fmt.a_group,
-        W_FMT=fmt.w_fmt,
-        W_BN=fmt.w_bn,
-        W_BK=fmt.w_bk,
-        HAS_BIAS=bias is not None,
-        MUL_ROUTED_WEIGHT=route_weights is not None,
-        NATIVE=fmt.native,
         DOT_DTYPE=_dot_dtype(fmt, a),
-        ACT="none" if act is None else act.activation.value,
-        GATED=act is not None and act.activation.is_gated,
-        INTERLEAVED=act is not None and act.gate_up_interleaved,
-        OUT_QUANT=out_quant,
         OUT_GROUP=max(out_group, 1),
-        EXACT_CAST=interpreting(),
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m,
         SUBTILE=cfg.epilogue_subtile,
         FLATTEN=cfg.flatten and not cfg.warp_specialize,  # fused loops are not specialized
         WARP_SPECIALIZE=cfg.warp_specialize,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        **shared_constexprs(fmt, cfg, act, batched, bias, route_weights, out_quant),
     )

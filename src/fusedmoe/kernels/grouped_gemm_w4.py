@@ -32,17 +32,15 @@ standard layout: no launch of its own).
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
 from .. import env
 from ..errors import expect
-from ..metadata import AlignedRouting
 from ..quant import Operand, TensorQuant
 from ..quant.w4_layout import W4_DTYPES, W4Tensor, convertible, is_w4
-from ._common import interpreting
+from ._common import cdiv, interpreting, next_power_of_2
 from ._grouped_gemm_w4 import _w4_gemm_kernel, _w4_permute_a_kernel, _w4_reduce_kernel
-from .gemm_format import _OUT_QUANT, _TL_DTYPE, ActEpilogue, GemmFormat, _strides, _u8
+from .gemm_format import _OUT_QUANT, _TL_DTYPE, GemmCall, GemmFormat, _strides, _u8
 from .launch import launch
 from .launch_config import LaunchConfig, overridden, pick_launch_config
 
@@ -68,11 +66,11 @@ def fit_w4_config(cfg: LaunchConfig, w: W4Tensor) -> LaunchConfig:
     if cfg.block_m < 16:  # the FMA path steps one or two pack blocks at a time
         bk = 2 * pk if cfg.block_k >= 2 * pk and kp >= 2 * pk else pk
     else:
-        bk = min(max(cfg.block_k, pk), max(pk, triton.next_power_of_2(kp)))
+        bk = min(max(cfg.block_k, pk), max(pk, next_power_of_2(kp)))
     w_major = cfg.w_major if (cfg.block_m >= 16 or cfg.block_m == 1) else 0
-    steps = max(1, triton.cdiv(kp, bk))
+    steps = max(1, cdiv(kp, bk))
     split = max(1, min(cfg.split_k, steps))
-    split = triton.cdiv(steps, triton.cdiv(steps, split))  # no split left without K: the kernel assumes one
+    split = cdiv(steps, cdiv(steps, split))  # no split left without K: the kernel assumes one
     if (bk, w_major, split) == (cfg.block_k, cfg.w_major, cfg.split_k):
         return cfg
     return LaunchConfig(cfg.block_m, cfg.block_n, bk, cfg.group_m, cfg.num_warps, cfg.num_stages, split, w_major)
@@ -135,7 +133,7 @@ def default_w4_config(
     """
     rows = m_pairs / max(1, num_experts)
     if rows <= 0.5:
-        tiles = min(m_pairs, num_experts) * triton.cdiv(n, 32)
+        tiles = min(m_pairs, num_experts) * cdiv(n, 32)
         split = 1
         while not gated and tiles * split < 1024 and k // (256 * split * 2) >= 4:
             split *= 2
@@ -167,14 +165,8 @@ def w4_gemm_launch(
     c: torch.Tensor,
     fmt: GemmFormat,
     cfg: LaunchConfig,
+    call: GemmCall,
     *,
-    routing: AlignedRouting | None = None,
-    counts: torch.Tensor | None = None,
-    a_div: int = 1,
-    bias: torch.Tensor | None = None,
-    route_weights: torch.Tensor | None = None,
-    act: ActEpilogue | None = None,
-    act_scale: torch.Tensor | None = None,
     partials: torch.Tensor | None = None,
     reduce: bool = True,
 ) -> torch.Tensor | None:
@@ -182,6 +174,7 @@ def w4_gemm_launch(
     N_w], or None without split-K (``fit_w4_config`` may lower ``cfg.split_k`` to K's steps, to 1
     included: then ``c`` holds the result). With ``reduce=False`` and partials returned, they
     are the result and ``c`` is left as it was."""
+    routing, counts, a_div, bias, route_weights, act, act_scale = call.unpacked()
     a_scale, a_global_scale = a.scale, a.global_scale
     a, w = a.data, w.q
     expect(is_w4(w), "w", "a weight in the w4 layout (quant.w4_layout.to_w4)", type(w).__name__)
@@ -214,13 +207,13 @@ def w4_gemm_launch(
     t_str = ((target.stride(0),) if p is not None else (0,)) + _row_strides(target, rows.batched)
     wg = w.global_scale.reshape(-1).float().contiguous() if w.global_scale is not None else None
     dummy = target
-    grid = (rows.num_m_blocks * triton.cdiv(n if p is None else n_w, cfg.block_n), cfg.split_k)
+    grid = (rows.num_m_blocks * cdiv(n if p is None else n_w, cfg.block_n), cfg.split_k)
     launch(_w4_gemm_kernel, grid,
         a, w.bytes_u8(), _u8(w.scale), dummy if w.zero is None else w.zero, dummy if wg is None else wg,
         dummy if perm is None else perm, dummy if bias is None else bias,
         dummy if rw is None else rw, _u8(target), dummy if c_scale is None else c_scale,
         *rows.ptrs(dummy), n if p is None else n_w, kd, w.k_padded,
-        triton.cdiv(triton.cdiv(w.k_padded, cfg.block_k), cfg.split_k) * cfg.block_k,
+        cdiv(cdiv(w.k_padded, cfg.block_k), cfg.split_k) * cfg.block_k,
         *rows.scalars(), 1.702 if act is None else act.swiglu_alpha, 7.0 if act is None else act.swiglu_limit,
         *rows.a_strides, *w.bytes_u8().stride(), *_strides(w.scale, 3),
         *(perm.stride() if perm is not None else (0, 0)), *(bias.stride() if bias is not None else (0, 0)),
@@ -283,14 +276,14 @@ class _Rows:
     def __init__(self, batched, block_m, num_m_blocks, num_pairs, m_max, a_div, a_strides, c_shape, ptrs):
         self.batched, self.block_m, self.num_m_blocks, self.num_pairs = batched, block_m, num_m_blocks, num_pairs
         self.m_max, self.a_div, self.a_strides, self.c_shape, self._ptrs = m_max, a_div, a_strides, c_shape, ptrs
-        self.blocks_per_expert = triton.cdiv(m_max, block_m) if batched else 0
+        self.blocks_per_expert = cdiv(m_max, block_m) if batched else 0
         self.total = c_shape[0] * (c_shape[1] if batched else 1)  # rows of C
 
     @classmethod
     def of(cls, a, w, cfg, routing, counts, a_div) -> _Rows:
         if routing is None:
             e_l, m_max = w.shape[0], a.shape[1]
-            blocks = e_l * triton.cdiv(m_max, cfg.block_m)  # BM = 1: one program per row
+            blocks = e_l * cdiv(m_max, cfg.block_m)  # BM = 1: one program per row
             return cls(True, cfg.block_m, blocks, 0, m_max, a_div, a.stride(), (e_l, m_max), (None, None, counts))
         expect(routing.block_m == cfg.block_m, "cfg.block_m", f"routing.block_m = {routing.block_m}", cfg.block_m)
         ptrs = (routing.sorted_ids, routing.block_expert, None)
@@ -317,7 +310,7 @@ def _permute_a(a, w: W4Tensor, rows: _Rows) -> torch.Tensor:
     else:
         out = torch.empty(rows._ptrs[0].numel(), kp, dtype=a.dtype, device=a.device)
         o_str = (0, out.stride(0))
-    grid = (rows.num_m_blocks, triton.cdiv(kp, _PERMUTE_BK))
+    grid = (rows.num_m_blocks, cdiv(kp, _PERMUTE_BK))
     launch(_w4_permute_a_kernel, grid,
         a, w.perm, out, *rows.ptrs(out), w.shape[2], kp, rows.num_pairs, rows.a_div, rows.m_max,
         rows.blocks_per_expert, *rows.a_strides, *w.perm.stride(), *o_str,
@@ -329,8 +322,8 @@ def _permute_a(a, w: W4Tensor, rows: _Rows) -> torch.Tensor:
 def _reduce(p, c, act, out_quant, c_scale, route_weights, rw_str, rows: _Rows, n) -> None:
     """C from the split-K partials: sum over splits in order, then the epilogue's tail; the
     GEMM's row blocks, so rows no program wrote (other experts', past the counts) stay as they are."""
-    bn = min(_REDUCE_BN, triton.next_power_of_2(max(n, 16)))
-    grid = (rows.num_m_blocks, triton.cdiv(n, bn))
+    bn = min(_REDUCE_BN, next_power_of_2(max(n, 16)))
+    grid = (rows.num_m_blocks, cdiv(n, bn))
     launch(_w4_reduce_kernel, grid,
         p, _u8(c), p if c_scale is None else c_scale, p if route_weights is None else route_weights,
         *rows.ptrs(p), n, rows.num_pairs, rows.m_max, rows.blocks_per_expert,

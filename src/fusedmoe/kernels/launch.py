@@ -28,17 +28,20 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 from triton import knobs
 
 from .. import env
 from ._common import interpreting
+from .launch_config import _OVERRIDE
 
 _I32 = (-(2**31), 2**31 - 1)
 _CACHE: dict[tuple, tuple] = {}
 _ORDER: dict[object, tuple] = {}  # kernel -> (constexpr names in signature order, #runtime args)
 _INTERCEPTORS: list[Callable] = []
+_RECORDERS: list = []  # launch plans being recorded (``modular.replay``): the innermost sees launches
 
 
 def _spec(v) -> object:
@@ -89,10 +92,64 @@ def intercept_launches(fn: Callable) -> Iterator[Callable]:
         _INTERCEPTORS.pop()
 
 
+@contextlib.contextmanager
+def launches_recorded(recorder) -> Iterator:
+    """While active, every ``launch`` launches as usual and then tells ``recorder.launched(args,
+    launcher)`` how to make the same launch again with other arguments of the same kinds:
+    ``launcher`` is a ``DirectLaunch`` (the binary, called with pointers as ints) on CUDA, or a
+    callable ``f(args)`` under the interpreter (tensors for pointers). A launch that cannot be made
+    so calls ``recorder.refuse(why)``. The launch itself runs inside ``recorder.launching()``. For
+    launch plans (``modular.replay``)."""
+    _RECORDERS.append(recorder)
+    try:
+        yield recorder
+    finally:
+        _RECORDERS.pop()
+
+
+@dataclass(frozen=True)
+class DirectLaunch:
+    """A compiled kernel and how to call it: ``run(*grid, stream, function, packed, None, None,
+    None, *args, *constexprs)`` launches it on ``stream`` (Triton 3.6's launcher signature)."""
+
+    run: Callable
+    grid: tuple[int, int, int]
+    function: int
+    packed: object
+    constexprs: tuple
+
+
+def plannable() -> bool:
+    """Whether launch plans may record or replay now: no interceptor (the tuner), no scoped launch
+    config (``override_launch_config``: a plan would replay the configs it recorded), no launch
+    hook (a profiler sees Triton's own launches), and ``FUSEDMOE_LAUNCH_PLANS`` on."""
+    return not (_INTERCEPTORS or _OVERRIDE) and env.launch_plans() and (interpreting() or not _hooked())
+
+
+def _record(kernel, grid: tuple, args: tuple, num_warps: int, num_stages: int, constexprs: dict) -> None:
+    rec = _RECORDERS[-1]
+    kw = dict(constexprs, num_warps=num_warps, num_stages=num_stages)
+    with rec.launching():
+        compiled = kernel[grid](*args, **kw)
+    if interpreting():
+        rec.launched(args, lambda a: kernel[grid](*a, **kw))
+        return
+    names, n_rt = _order(kernel)
+    if n_rt != len(args) or len(names) != len(constexprs) or not hasattr(compiled, "packed_metadata"):
+        rec.refuse(f"kernel {getattr(kernel, '__name__', kernel)} has no binary to launch directly")
+        return
+    g = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+    cvals = tuple(constexprs[n] for n in names)
+    rec.launched(args, DirectLaunch(compiled.run, g, compiled.function, compiled.packed_metadata, cvals))
+
+
 def launch(kernel, grid: tuple, *args, num_warps: int = 4, num_stages: int = 3, **constexprs) -> None:
     """``kernel[grid](*args, num_warps=..., num_stages=..., **constexprs)`` (module docstring)."""
     if _INTERCEPTORS:
         _INTERCEPTORS[-1](kernel, grid, args, dict(constexprs, num_warps=num_warps, num_stages=num_stages))
+        return
+    if _RECORDERS:
+        _record(kernel, grid, args, num_warps, num_stages, constexprs)
         return
     if interpreting() or not env.fast_launch():
         kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **constexprs)
@@ -116,10 +173,10 @@ def launch(kernel, grid: tuple, *args, num_warps: int = 4, num_stages: int = 3, 
     run, function, packed = hit
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
-    run(grid[0], g1, g2, _raw_stream(device), function, packed, None, None, None, *args, *cvals)
+    run(grid[0], g1, g2, raw_stream(device), function, packed, None, None, None, *args, *cvals)
 
 
-_raw_stream = torch._C._cuda_getCurrentRawStream if torch.cuda.is_available() else None
+raw_stream = torch._C._cuda_getCurrentRawStream if torch.cuda.is_available() else None
 
 
 def _hooked() -> bool:

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from ..errors import expect
 from ..metadata import local_expert_ids
-from ._common import interpreting
+from ._common import cdiv, interpreting, row_col_tile
 from .launch import launch
 
 
@@ -60,11 +60,8 @@ def _moe_sum_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    row_ok = rows < T
-    mask = row_ok[:, None] & (cols < H)[None, :]
-    r64 = rows.to(tl.int64)
+    r64, cols, row_ok, col_ok = row_col_tile(T, H, BLOCK_T, BLOCK_H)
+    mask = row_ok[:, None] & col_ok[None, :]
     acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
     for k in tl.static_range(K):
         pair_ok = row_ok
@@ -115,7 +112,7 @@ def moe_sum_launch(
     has_ids, has_map = topk_ids is not None, expert_map is not None
     # 4 x 256 values per program: memory-bound, K loads of 2 KiB (bf16) in flight each.
     bt, bh = (16, 128) if interpreting() else (4, 256)
-    grid = (triton.cdiv(t, bt), triton.cdiv(h, bh))
+    grid = (cdiv(t, bt), cdiv(h, bh))
     ids = topk_ids.contiguous() if has_ids else c
     launch(
         _moe_sum_kernel,

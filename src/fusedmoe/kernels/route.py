@@ -23,11 +23,10 @@ the worst padding of G and E / G to powers of 2), any K <= E, any number of grou
 """
 
 import torch
-import triton
 
 from ..errors import expect
 from ..metadata import TopK
-from ._common import interpreting
+from ._common import cdiv, interpreting, next_power_of_2
 from ._route import _route_kernel
 from .launch import launch
 
@@ -36,6 +35,8 @@ __all__ = ["MAX_EXPERTS", "fused_route", "route_launch", "router_args", "unsuppo
 MAX_EXPERTS = 1024
 _NATIVE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _SCORINGS = ("softmax", "sigmoid")
+# route_launch's routing options, named as in RouterConfig, in the order the op takes them
+_ROUTER_ARGS = ("top_k", "scoring", "renormalize", "num_expert_group", "topk_group", "routed_scaling_factor")
 
 
 def unsupported_reason(router, logits: torch.Tensor) -> str | None:
@@ -56,7 +57,7 @@ def _tile(t: int, gp: int, sp: int) -> tuple[int, int]:
     measured. The interpreter pays ~5 ms per program, so it takes up to 16 rows at once."""
     per_row = gp * sp
     if interpreting():
-        rows = min(16, triton.next_power_of_2(max(t, 1)), max(1, 8192 // per_row))
+        rows = min(16, next_power_of_2(max(t, 1)), max(1, 8192 // per_row))
         return rows, 4
     return 1, min(8, max(1, per_row // 256))
 
@@ -118,14 +119,14 @@ def route_launch(
     if t == 0:
         return TopK(ids=ids, weights=weights)
     s = e // g
-    gp, sp = triton.next_power_of_2(g), triton.next_power_of_2(s)
+    gp, sp = next_power_of_2(g), next_power_of_2(s)
     r, num_warps = _tile(t, gp, sp)
     if rows is not None:
         expect(rows > 0 and rows & (rows - 1) == 0, "rows", "a power of 2", rows)
         r = rows
     launch(
         _route_kernel,
-        (triton.cdiv(t, r),),
+        (cdiv(t, r),),
         logits,
         bias if has_bias else logits,  # any pointer; never read
         ids,
@@ -148,7 +149,7 @@ def route_launch(
         ROWS=r,
         GP=gp,
         SP=sp,
-        KP=triton.next_power_of_2(k),
+        KP=next_power_of_2(k),
         num_warps=num_warps,
     )
     return TopK(ids=ids, weights=weights)
@@ -166,16 +167,8 @@ def route_op(
     routed_scaling_factor: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``route_launch`` as an op: (ids int32 [T, K], weights float32 [T, K])."""
-    r = route_launch(
-        logits,
-        correction_bias,
-        top_k=top_k,
-        scoring=scoring,
-        renormalize=renormalize,
-        num_expert_group=num_expert_group,
-        topk_group=topk_group,
-        routed_scaling_factor=routed_scaling_factor,
-    )
+    options = (top_k, scoring, renormalize, num_expert_group, topk_group, routed_scaling_factor)
+    r = route_launch(logits, correction_bias, **dict(zip(_ROUTER_ARGS, options, strict=True)))
     return r.ids, r.weights
 
 
@@ -188,14 +181,7 @@ def _route_op_fake(logits, correction_bias, top_k, *args):
 
 def router_args(router) -> dict:
     """``route_launch``'s routing arguments from a ``RouterConfig``, in the op's order."""
-    return dict(
-        top_k=router.top_k,
-        scoring=router.scoring,
-        renormalize=router.renormalize,
-        num_expert_group=router.num_expert_group,
-        topk_group=router.topk_group,
-        routed_scaling_factor=router.routed_scaling_factor,
-    )
+    return {name: getattr(router, name) for name in _ROUTER_ARGS}
 
 
 def fused_route(router_logits: torch.Tensor, router, correction_bias: torch.Tensor | None = None) -> TopK:

@@ -22,9 +22,8 @@ dispatchers, which sit behind ``fusedmoe::moe_forward`` under ``torch.compile``.
 from __future__ import annotations
 
 import torch
-import triton
 
-from ._common import interpreting
+from ._common import cdiv, interpreting, next_power_of_2
 from ._rows import _gather_sum_kernel, _rank_rows_kernel, _scatter_rows_kernel
 from .launch import launch
 
@@ -96,7 +95,7 @@ def rank_rows_launch(
         K=ids.shape[1],
         WIRE=wire,
         BLOCK_T=bt,
-        BLOCK_W=triton.next_power_of_2(world),
+        BLOCK_W=next_power_of_2(world),
     )
     if rows is None:  # positions within each rank's block -> after the previous ranks' blocks
         base = torch.cumsum(counts, 0) - counts
@@ -138,7 +137,7 @@ def scatter_rows_launch(src: torch.Tensor, idx: torch.Tensor, dst: torch.Tensor)
     if n == 0 or d == 0 or idx.shape[1] == 0 or dst.shape[0] == 0:
         return dst
     bn, bd = _blocks(d)
-    grid = (triton.cdiv(n, bn), triton.cdiv(d, bd))
+    grid = (cdiv(n, bn), cdiv(d, bd))
     launch(
         _scatter_rows_kernel,
         grid,
@@ -200,7 +199,7 @@ def gather_sum_launch(
     if src.shape[0] == 0 or idx.shape[1] == 0:
         return out.zero_()
     bn, bh = _blocks(h)
-    grid = (triton.cdiv(n, bn), triton.cdiv(h, bh))
+    grid = (cdiv(n, bn), cdiv(h, bh))
     w = weights if weights is not None else idx
     launch(
         _gather_sum_kernel,

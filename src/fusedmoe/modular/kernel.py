@@ -49,7 +49,8 @@ from ..experts.base import Experts
 from ..metadata import TopK
 from ..quant import FORMATS
 from ..weights import ExpertWeights
-from .ops import call_moe_forward, register_kernel
+from .ops import call_moe_forward, register_kernel, weight_tensors
+from .replay import LaunchPlans
 
 DEFAULT_CHUNK_SIZE = 16384
 
@@ -96,6 +97,8 @@ class MoEKernel:
         self._buffers: dict[str, dict[str, torch.Tensor]] | None = None
         self.choice = None  # the oracle's Choice when built by ``oracle.build_kernel``
         self._prepared: dict[int, tuple] = {}
+        # eager calls at a shape seen before replay their launches (``modular.replay``); one GPU only
+        self._plans = None if dispatcher.distributed else LaunchPlans()
         self.name = register_kernel(self, name)
 
     def prepared(self, weights: ExpertWeights) -> ExpertWeights:
@@ -117,10 +120,11 @@ class MoEKernel:
     # name, or compiled graphs of the copy would call the original. Buffers are not copied
     # (a CUDA graph captured the original's addresses); ``allocate`` again.
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_buffers": None, "name": None, "_prepared": {}}
+        return {**self.__dict__, "_buffers": None, "name": None, "_prepared": {}, "_plans": None}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
+        self._plans = None if self.dispatcher.distributed else LaunchPlans()
         self.name = register_kernel(self)
 
     # ---- workspace ---------------------------------------------------------------------
@@ -173,6 +177,8 @@ class MoEKernel:
         parts = self._workspace_parts(max_tokens, num_local_experts)
         self._buffers = {part: ws.allocate(dev) for part, ws in parts.items()}
         self._device = dev
+        if self._plans is not None:  # calls now take these buffers: record again
+            self._plans.clear()
         return self.buffers
 
     @property
@@ -213,6 +219,50 @@ class MoEKernel:
 
     __call__ = forward
 
+    def _plan(self, x: torch.Tensor, topk: TopK, weights: ExpertWeights, expert_map) -> tuple | None:
+        """(key, inputs) of a call that a launch plan may serve, or None. The key holds what the
+        recorded launches depend on besides addresses: the kinds of x, the routing and the expert
+        map (shape, strides, dtype, 16-byte alignment), x's device, and the identity and address
+        of every weight tensor."""
+        t = x.shape[0]
+        if self._plans is None or t == 0 or self.config.identity_experts or (self.chunk_size and t > self.chunk_size):
+            return None
+        ids, tw = topk.ids, topk.weights
+        wts = weight_tensors(weights)
+        key = (
+            x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() & 15,
+            ids.shape, ids.stride(), ids.dtype, ids.data_ptr() & 15,
+            tw.shape, tw.stride(), tw.dtype, tw.data_ptr() & 15,
+            None if expert_map is None else (expert_map.shape, expert_map.stride(), expert_map.data_ptr() & 15),
+            weights.layout,
+            *[None if w is None else (id(w), w.data_ptr()) for w in wts],
+        )  # fmt: skip
+        return key, (x, ids, tw, expert_map, *wts)
+
+    def replay(
+        self,
+        x: torch.Tensor,
+        topk: TopK,
+        weights: ExpertWeights,
+        *,
+        expert_map: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """The call's output from the launch plan recorded for its key (``modular.replay``), or
+        None when there is none yet. A plan exists only for inputs of the same shapes, dtypes and
+        weight tensors as a call that was validated and run, so callers skip validation on a hit."""
+        if self._plans is None or not self._plans.plans or env.check_values():
+            return None
+        try:
+            plan = self._plan(x, topk, weights, expert_map)
+        except (AttributeError, TypeError, IndexError):  # not the kinds of inputs a plan was made for
+            return None
+        if plan is None:
+            return None
+        out = self._plans.replay(*plan)
+        if out is not None and self.shared_experts is not None:
+            out += self.shared_experts(x)
+        return out
+
     def forward_eager(
         self,
         x: torch.Tensor,
@@ -224,6 +274,24 @@ class MoEKernel:
     ) -> torch.Tensor:
         """``forward`` without the compile switch; ``shared=False`` leaves out the shared experts
         (the custom op's body: the compiled graph adds them)."""
+        plan = self._plan(x, topk, weights, expert_map)
+        if plan is not None:
+            key, inputs = plan
+            out = self._plans.call(key, lambda: self._routed(x, topk, weights, expert_map), inputs)
+            if shared and self.shared_experts is not None:
+                out += self.shared_experts(x)
+            return out
+        return self._routed(x, topk, weights, expert_map, self.shared_experts if shared else None)
+
+    def _routed(
+        self,
+        x: torch.Tensor,
+        topk: TopK,
+        weights: ExpertWeights,
+        expert_map: torch.Tensor | None,
+        shared_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """The layer chunk by chunk: dispatch, experts, ``shared_fn`` of the chunk, combine."""
         t = x.shape[0]
         out = torch.empty_like(x)
         distributed = self.dispatcher.distributed
@@ -246,7 +314,6 @@ class MoEKernel:
             n_chunks = self.dispatcher.agree_num_chunks(max(n_chunks, 1), num_tokens=min(t, step))
         a1_scale = self._pinned_a1_scale(x, t)
         bufs = self._buffers_for(x)
-        shared_fn = self.shared_experts if shared else None
         direct = self.dispatcher.writes_output(self.experts.reduce)
         for c in range(n_chunks):
             s = min(c * step, t)

@@ -35,9 +35,6 @@ from ..weights import ExpertWeights
 _KERNELS: "weakref.WeakValueDictionary[str, object]" = weakref.WeakValueDictionary()
 _SERIAL = itertools.count()
 
-_QFIELDS = ("data", "scale", "zero", "global_scale", "g_idx")
-_EXTRAS = ("b13", "b2", "a1_scale", "a2_scale", "a1_global_scale", "a2_global_scale")
-
 
 def register_kernel(kernel, name: str | None = None) -> str:
     """Register ``kernel`` (a ``MoEKernel``) under ``name`` (or a fresh unique one); returns the name."""
@@ -98,17 +95,7 @@ def moe_forward(
     q2 = QTensor(w2, tuple(w2_shape), w2_scale, w2_zero, w2_global_scale, w2_g_idx)
     if layout == W4_LAYOUT:  # converted at load: the 4-bit kernel needs its layout's metadata back
         q13, q2 = as_w4(q13, k.scheme.w1, w13_perm), as_w4(q2, k.scheme.w2, w2_perm)
-    weights = ExpertWeights(
-        w13=q13,
-        w2=q2,
-        b13=b13,
-        b2=b2,
-        a1_scale=a1_scale,
-        a2_scale=a2_scale,
-        a1_global_scale=a1_global_scale,
-        a2_global_scale=a2_global_scale,
-        layout=layout,
-    )
+    weights = ExpertWeights(q13, q2, b13, b2, a1_scale, a2_scale, a1_global_scale, a2_global_scale, layout)
     return k.forward_eager(x, TopK(topk_ids, topk_weights), weights, expert_map=expert_map, shared=False)
 
 
@@ -127,16 +114,25 @@ def moe_forward_args(
         x,
         topk.ids,
         topk.weights,
-        *(getattr(weights.w13, f) for f in _QFIELDS),
-        *(getattr(weights.w2, f) for f in _QFIELDS),
-        getattr(weights.w13, "perm", None),
-        getattr(weights.w2, "perm", None),
-        *(getattr(weights, f) for f in _EXTRAS),
+        *weight_tensors(weights),
         expert_map,
         list(weights.w13.shape),
         list(weights.w2.shape),
         weights.layout,
     )
+
+
+def weight_tensors(weights: ExpertWeights) -> tuple:
+    """Every tensor field of ``weights`` (None where absent), in ``moe_forward``'s order: the
+    ``QTensor`` fields of W13, then W2's, the two 4-bit permutations, then the extras. Written out
+    field by field: it runs on every eager call (``MoEKernel`` launch plans key on it)."""
+    a, b, w = weights.w13, weights.w2, weights
+    return (
+        a.data, a.scale, a.zero, a.global_scale, a.g_idx,
+        b.data, b.scale, b.zero, b.global_scale, b.g_idx,
+        getattr(a, "perm", None), getattr(b, "perm", None),
+        w.b13, w.b2, w.a1_scale, w.a2_scale, w.a1_global_scale, w.a2_global_scale,
+    )  # fmt: skip
 
 
 def call_moe_forward(

@@ -256,23 +256,16 @@ def standard_cases(
 ) -> list[EPCase]:
     """Every dispatcher x its layout's experts x scheme for one world."""
     assert len(tokens) == world
-    cases = []
-    shape = dict(
-        num_experts=num_experts,
-        top_k=top_k,
-        hidden_size=hidden,
-        intermediate_size=inter,
-        placement=placement,
-        seed=seed,
-        capacity=capacity,
-    )
-    for scheme in schemes:
-        for dname in ("allgather_reducescatter", "all2all"):
-            for ename in experts_std:
-                cases.append(EPCase(dname, ename, scheme, tokens, **shape))
-        for ename in experts_batched:
-            cases.append(EPCase("all2all_low_latency", ename, scheme, tokens, **shape))
-    return cases
+    pairs = [(d, e) for d in ("allgather_reducescatter", "all2all") for e in experts_std]
+    pairs += [("all2all_low_latency", e) for e in experts_batched]
+    # E, K, H, I positionally, in MoEConfig's order
+    return [
+        EPCase(
+            d, e, scheme, tokens, num_experts, top_k, hidden, inter, placement=placement, seed=seed, capacity=capacity
+        )
+        for scheme in schemes
+        for d, e in pairs
+    ]
 
 
 def cpu_cases(world: int) -> list[EPCase]:

@@ -1,0 +1,212 @@
+"""Launch plans (``modular.replay``): an eager call at a known shape replays its launches.
+
+Each case calls the kernel on fresh random inputs three times per shape (run, record, replay) and
+then replays on more fresh inputs: every output equals the same call with plans off
+(``FUSEDMOE_LAUNCH_PLANS=0``) bit for bit, and the float64 reference within the scheme's
+tolerance. The memory the replayed output lands in is poisoned first (a freed NaN-filled block of
+the same size, which the allocator hands out again), so an element the replay does not write shows.
+On the CPU the plans replay through the Triton interpreter (tensor views for pointers); on a GPU
+through the binaries (pointers as integers).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fusedmoe import FusedMoEError, fused_moe
+from fusedmoe.config import MoEConfig
+from fusedmoe.dispatch.local import LocalDispatcher
+from fusedmoe.experts.cpu import CpuExperts
+from fusedmoe.experts.triton import TritonExperts
+from fusedmoe.metadata import TopK
+from fusedmoe.modular.kernel import MoEKernel
+from fusedmoe.quant import QuantScheme
+from fusedmoe.testing import make_problem, random_topk, rel_error, tolerance
+
+CONFIG = MoEConfig(num_experts=5, top_k=2, hidden_size=64, intermediate_size=32)
+
+# (label, scheme, T): bf16 and 4-bit weights replay on the CPU (their paths launch Triton kernels only)
+CPU_CASES = [
+    ("bf16_T1", "bf16", 1),
+    ("bf16_T7_odd", "bf16", 7),
+    ("bf16_T40_over_a_tile", "bf16", 40),
+    ("int4_g32_T3", "int4_g32", 3),
+    ("mxfp4_T5", "mxfp4", 5),
+]
+
+
+def _kernel(scheme: QuantScheme, config: MoEConfig = CONFIG) -> MoEKernel:
+    return MoEKernel(LocalDispatcher(config, scheme), TritonExperts(config, scheme))
+
+
+def _fresh(config: MoEConfig, t: int, seed: int, device) -> tuple[torch.Tensor, TopK]:
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(t, config.hidden_size, generator=g, device=device).to(config.dtype)
+    ids, w = random_topk(t, config.num_experts, config.top_k, g)
+    return x, TopK(ids, w)
+
+
+def _poison_next(like_shape, dtype, device) -> None:
+    # a block of the output's size, filled with NaN and freed: the next allocation of that size reuses it
+    torch.full(like_shape, float("nan"), dtype=dtype, device=device)
+
+
+def _plain(kernel, x, topk, weights, monkeypatch) -> torch.Tensor:
+    with monkeypatch.context() as m:
+        m.setenv("FUSEDMOE_LAUNCH_PLANS", "0")
+        return kernel(x, topk, weights)
+
+
+def _check_replays(kernel, problem, t, device, monkeypatch, calls: int = 5) -> None:
+    weights = kernel.prepared(problem.weights)
+    config, scheme = problem.config, problem.scheme
+    for seed in range(calls):
+        x, topk = _fresh(config, t, 100 + seed, device)
+        _poison_next((t, config.hidden_size), config.dtype, device)
+        out = kernel(x, topk, weights)
+        assert torch.equal(out, _plain(kernel, x, topk, weights, monkeypatch)), f"call {seed} differs from plans off"
+        problem.x, problem.topk_ids, problem.topk_weights = x, topk.ids, topk.weights
+        err = rel_error(out, problem.reference())
+        assert err <= tolerance(scheme, config.dtype), f"call {seed}: rel error {err:.2e}"
+    assert kernel._plans.plans and not kernel._plans.refused, f"no plan: {kernel._plans.refused}"
+
+
+@pytest.mark.parametrize("label,scheme,t", CPU_CASES, ids=[c[0] for c in CPU_CASES])
+def test_replay_equals_the_plain_call_and_the_reference(label, scheme, t, monkeypatch):
+    scheme = QuantScheme.by_name(scheme)
+    problem = make_problem(CONFIG, scheme, t, seed=1)
+    _check_replays(_kernel(scheme), problem, t, "cpu", monkeypatch)
+
+
+def test_each_shape_has_its_own_plan(monkeypatch):
+    scheme = QuantScheme.unquantized()
+    problem = make_problem(CONFIG, scheme, 4, seed=2)
+    kernel = _kernel(scheme)
+    for t in (4, 9):
+        _check_replays(kernel, make_problem(CONFIG, scheme, t, seed=2), t, "cpu", monkeypatch, calls=3)
+    assert len(kernel._plans.plans) == 2
+    assert problem is not None
+
+
+def test_new_weight_tensors_record_a_new_plan(monkeypatch):
+    scheme = QuantScheme.unquantized()
+    kernel = _kernel(scheme)
+    first = make_problem(CONFIG, scheme, 3, seed=3)
+    second = make_problem(CONFIG, scheme, 3, seed=4)
+    x, topk = _fresh(CONFIG, 3, 5, "cpu")
+    for _ in range(3):
+        kernel(x, topk, first.weights)
+    out = kernel(x, topk, second.weights)  # same shapes, other weights: must not replay the first plan
+    assert torch.equal(out, _plain(kernel, x, topk, second.weights, monkeypatch))
+    assert not torch.equal(out, kernel(x, topk, first.weights))
+
+
+def test_an_unaligned_input_is_another_key(monkeypatch):
+    # Triton specialises on 16-byte alignment: a row view one element in is not the aligned plan
+    scheme = QuantScheme.unquantized()
+    kernel = _kernel(scheme)
+    problem = make_problem(CONFIG, scheme, 3, seed=6)
+    x, topk = _fresh(CONFIG, 3, 7, "cpu")
+    for _ in range(3):
+        kernel(x, topk, problem.weights)
+    flat = torch.randn(3 * CONFIG.hidden_size + 1).to(CONFIG.dtype)
+    shifted = flat[1:].view(3, CONFIG.hidden_size)
+    out = kernel(shifted, topk, problem.weights)
+    assert torch.equal(out, _plain(kernel, shifted, topk, problem.weights, monkeypatch))
+    assert len(kernel._plans.plans) == 1 and len(kernel._plans._seen) == 2
+
+
+def test_a_call_with_host_side_torch_work_is_refused_with_the_op():
+    # the CPU backend computes with PyTorch ops: never replayed, and the reason names the op
+    scheme = QuantScheme.unquantized()
+    kernel = MoEKernel(LocalDispatcher(CONFIG, scheme), CpuExperts(CONFIG, scheme))
+    problem = make_problem(CONFIG, scheme, 2, seed=8)
+    for _ in range(3):
+        kernel(problem.x, TopK(problem.topk_ids, problem.topk_weights), problem.weights)
+    assert not kernel._plans.plans
+    (why,) = kernel._plans.refused.values()
+    assert "aten." in why and "only allocations, fills, views and launches replay" in why
+
+
+def test_plans_off_by_environment(monkeypatch):
+    monkeypatch.setenv("FUSEDMOE_LAUNCH_PLANS", "0")
+    scheme = QuantScheme.unquantized()
+    kernel = _kernel(scheme)
+    problem = make_problem(CONFIG, scheme, 2, seed=9)
+    for _ in range(3):
+        kernel(problem.x, TopK(problem.topk_ids, problem.topk_weights), problem.weights)
+    assert not kernel._plans.plans and not kernel._plans._seen
+    monkeypatch.setenv("FUSEDMOE_LAUNCH_PLANS", "maybe")
+    with pytest.raises(FusedMoEError, match="FUSEDMOE_LAUNCH_PLANS"):
+        kernel(problem.x, TopK(problem.topk_ids, problem.topk_weights), problem.weights)
+
+
+def test_shared_experts_are_added_after_a_replay(monkeypatch):
+    scheme = QuantScheme.unquantized()
+    kernel = MoEKernel(LocalDispatcher(CONFIG, scheme), TritonExperts(CONFIG, scheme), shared_experts=lambda x: 2 * x)
+    problem = make_problem(CONFIG, scheme, 3, seed=10)
+    for seed in range(4):
+        x, topk = _fresh(CONFIG, 3, 20 + seed, "cpu")
+        assert torch.equal(kernel(x, topk, problem.weights), _plain(kernel, x, topk, problem.weights, monkeypatch))
+    assert len(kernel._plans.plans) == 1
+
+
+def test_fused_moe_replays_and_still_refuses_bad_input():
+    scheme = QuantScheme.unquantized()
+    problem = make_problem(CONFIG, scheme, 3, seed=11)
+    topk = (problem.topk_ids, problem.topk_weights)
+    outs = [fused_moe(problem.x, topk, problem.weights, CONFIG, scheme, backend="triton") for _ in range(4)]
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    with pytest.raises(FusedMoEError, match="x"):
+        fused_moe(problem.x.float(), topk, problem.weights, CONFIG, scheme, backend="triton")
+    with pytest.raises(FusedMoEError, match="topk"):
+        fused_moe(problem.x, (problem.topk_ids[:, :1], problem.topk_weights), problem.weights, CONFIG, scheme,
+                  backend="triton")  # fmt: skip
+
+
+# ---- GPU: every scheme's path at real sizes ---------------------------------------------------
+
+GPU_SCHEMES = ["bf16", "fp8_tensor", "fp8_tensor_static", "fp8_block", "fp8_token", "int8_w8a8_channel", "int4_g128",
+               "int4_g128_actorder", "mxfp4",
+               "nvfp4_w4a16"]  # fmt: skip
+GPU_CONFIG = MoEConfig(num_experts=16, top_k=4, hidden_size=1024, intermediate_size=768)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 16, 300])
+@pytest.mark.parametrize("scheme", GPU_SCHEMES)
+def test_gpu_replay_equals_the_plain_call(scheme, t, monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    scheme = QuantScheme.by_name(scheme)
+    problem = make_problem(GPU_CONFIG, scheme, t, seed=12, device="cuda")
+    kernel = _kernel(scheme, GPU_CONFIG)
+    _check_replays(kernel, problem, t, "cuda", monkeypatch)
+
+
+def test_generated_replay_calls_each_binary_with_the_recorded_arguments():
+    # the GPU path of a replay (pointers as integers, one generated function): its calls checked
+    # against what the recorded launches say, with a stand-in for Triton's launcher
+    from fusedmoe.kernels.launch import DirectLaunch
+    from fusedmoe.modular.replay import _compile
+
+    calls = []
+    held = torch.arange(4.0)
+
+    def run(*a):
+        calls.append(a)
+
+    first = DirectLaunch(run, (3, 1, 1), 111, "meta1", (64, "silu"))
+    second = DirectLaunch(run, (2, 5, 1), 222, "meta2", ())
+    steps = [
+        ("launch", first, [None, 7, 0.5, None, held, None], ((0, 0, 16), (3, 2, 0), (5, 1, 256))),
+        ("launch", second, [None, True], ((0, 3, 8),)),
+    ]
+    replay = _compile([(k, d, t, tuple((*f, torch.float32, (1,), (1,)) for f in fix)) for k, d, t, fix in steps])
+    bases = [1000, 2000, 3000, 4000]
+    replay(bases, None, 99)
+    assert calls == [
+        (3, 1, 1, 99, 111, "meta1", None, None, None, 1016, 7, 0.5, 3000, held.data_ptr(), 2256, 64, "silu"),
+        (2, 5, 1, 99, 222, "meta2", None, None, None, 4008, True),
+    ]
