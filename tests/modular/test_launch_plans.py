@@ -210,3 +210,24 @@ def test_generated_replay_calls_each_binary_with_the_recorded_arguments():
         (3, 1, 1, 99, 111, "meta1", None, None, None, 1016, 7, 0.5, 3000, held.data_ptr(), 2256, 64, "silu"),
         (2, 5, 1, 99, 222, "meta2", None, None, None, 4008, True),
     ]
+
+
+def test_inputs_sharing_one_buffer_are_replayed_each_from_its_own_address(monkeypatch):
+    # the routing packed in one int32 buffer (ids, then the weights' bits): recorded like that,
+    # replayed on separate tensors, each pointer must follow its own input
+    scheme = QuantScheme.unquantized()
+    kernel = _kernel(scheme)
+    problem = make_problem(CONFIG, scheme, 3, seed=13)
+    n = 3 * CONFIG.top_k
+    for seed in range(3):
+        x, topk = _fresh(CONFIG, 3, 30 + seed, "cpu")
+        packed = torch.cat([topk.ids.reshape(-1), topk.weights.reshape(-1).view(torch.int32)])
+        shared = TopK(packed[:n].view(3, -1), packed[n:].view(torch.float32).view(3, -1))
+        assert torch.equal(kernel(x, shared, problem.weights), _plain(kernel, x, topk, problem.weights, monkeypatch))
+    assert len(kernel._plans.plans) == 1
+    x, topk = _fresh(CONFIG, 3, 40, "cpu")
+    weights = torch.empty(n + 2)[2:].view(3, -1)  # 8 bytes past a boundary, as the packed weights were
+    weights.copy_(topk.weights)
+    out = kernel(x, TopK(topk.ids, weights), problem.weights)
+    assert len(kernel._plans.plans) == 1 and len(kernel._plans._seen) == 1  # the packed call's plan replayed
+    assert torch.equal(out, _plain(kernel, x, topk, problem.weights, monkeypatch))

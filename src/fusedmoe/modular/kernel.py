@@ -233,7 +233,8 @@ class MoEKernel:
             x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() & 15,
             ids.shape, ids.stride(), ids.dtype, ids.data_ptr() & 15,
             tw.shape, tw.stride(), tw.dtype, tw.data_ptr() & 15,
-            None if expert_map is None else (expert_map.shape, expert_map.stride(), expert_map.data_ptr() & 15),
+            None if expert_map is None else (expert_map.shape, expert_map.stride(), expert_map.dtype,
+                                             expert_map.data_ptr() & 15),
             weights.layout,
             *[None if w is None else (id(w), w.data_ptr()) for w in wts],
         )  # fmt: skip

@@ -87,10 +87,10 @@ class _Recorder(TorchDispatchMode):
     def __init__(self, inputs: Sequence[torch.Tensor | None]) -> None:
         super().__init__()
         self.inputs = list(inputs)
-        self.input_at = {}
+        self.input_at: dict[int, list[int]] = {}  # storage address -> the inputs in that storage
         for i, t in enumerate(self.inputs):
             if t is not None:
-                self.input_at.setdefault(t.untyped_storage().data_ptr(), i)
+                self.input_at.setdefault(t.untyped_storage().data_ptr(), []).append(i)
         self.allocs: list[tuple[int, int]] = []  # (storage address, bytes) per allocation
         self.alloc_at: dict[int, int] = {}  # storage address -> the latest allocation there
         self.steps: list[tuple] = []  # ("fill", ref, dtype, numel, value) | ("launch", ...)
@@ -153,9 +153,9 @@ class _Recorder(TorchDispatchMode):
         j = self.alloc_at.get(sp)
         if j is not None:
             return (("alloc", j), t.data_ptr() - self.allocs[j][0])
-        i = self.input_at.get(sp)
-        if i is not None:
-            return (i, t.data_ptr() - self.inputs[i].data_ptr())
+        inputs = self.input_at.get(sp)
+        if inputs is not None:
+            return _within(t.data_ptr(), inputs, self.inputs)
         self.held.append(t)
         return ("held", t)
 
@@ -166,7 +166,11 @@ class _Recorder(TorchDispatchMode):
         template, fixups = [], []
         for pos, a in enumerate(args):
             if isinstance(a, torch.Tensor):
-                ref = self.ref(a)
+                try:
+                    ref = self.ref(a)
+                except _Refused as e:
+                    self.refused = str(e)
+                    return
                 if ref[0] == "held":
                     template.append(ref[1])
                 else:
@@ -179,6 +183,28 @@ class _Recorder(TorchDispatchMode):
     def refuse(self, why: str) -> None:
         if self.refused is None:
             self.refused = why
+
+
+def _within(ptr: int, candidates: list[int], inputs) -> tuple[int, int]:
+    """(input index, byte offset) of address ``ptr`` in the one input of ``candidates`` (inputs that
+    share a storage) whose memory holds it: the offset is then valid for that input alone, whatever
+    lies around it in a later call (the plan's key fixes each input's shape and strides, not where
+    inputs sit relative to each other)."""
+    exact = [i for i in candidates if inputs[i].data_ptr() == ptr]
+    if len(exact) == 1:
+        return exact[0], 0
+    holding = [i for i in candidates if inputs[i].data_ptr() <= ptr < inputs[i].data_ptr() + _span(inputs[i])]
+    if len(exact) > 1 or len(holding) != 1:
+        raise _Refused("a tensor argument in memory that two inputs (or none of them) cover")
+    i = holding[0]
+    return i, ptr - inputs[i].data_ptr()
+
+
+def _span(t: torch.Tensor) -> int:
+    """Bytes from ``t``'s first element to just past its last."""
+    if t.numel() == 0:
+        return 0
+    return (sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True)) + 1) * t.element_size()
 
 
 def _fill_value(func, args, kwargs):
