@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import traceback
 
@@ -17,6 +19,7 @@ from make_checkpoint_fixtures import (
     _dequantized_path,
     calibration,
     fresh,
+    lossless,
     save_dequantized,
     tiny_model,
     tokenizer,
@@ -213,5 +216,224 @@ def autoawq(out: str, only) -> list:
     return []
 
 
-TOOLS = {"llmcompressor": llmcompressor, "transformers": transformers_fp8, "modelopt": modelopt, "autoawq": autoawq}
+# GPTQModel: its own GPTQ (Hessian, act-order off) on the CPU, saved with its own ``save``
+GPTQMODEL = {
+    "gptqmodel_w4g128_qwen3": ("qwen3_moe", 128, {"hidden": 128, "inter": 128}),  # one group per row
+    "gptqmodel_w4g32_mixtral": ("mixtral", 32, {}),  # two groups per row of 64
+}
+
+
+_W = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+
+def _gptqmodel_outputs(path: str, base: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], float]:
+    """GPTQModel's own dequantizer and forward, from the saved folder loaded back by ``GPTQModel.load``
+    on the CPU with its plain torch kernel (``BACKEND.TORCH``) in float16 (the kernel takes float16 or
+    bfloat16; float16 keeps the float16 scales exact):
+
+    - each expert Linear's ``dequantize_weight()`` (``[K, N]``: its forward is ``x @ w``), saved per
+      Linear as ``[N, K]`` under the Linear's name;
+    - ``x`` (16 tokens, seed 0) and the output of its MoE block ``model.layers.0.mlp`` for ``x``.
+
+    Also returns the dequantized experts' relative error against the unquantized weights of ``base``
+    (a check that the dequantizer is read the right way round: int4 is about 0.1)."""
+    from gptqmodel import BACKEND, GPTQModel
+    from safetensors.torch import load_file
+
+    m = GPTQModel.load(path, device="cpu", backend=BACKEND.TORCH, dtype=torch.float16)
+    deq = {}
+    for name, mod in m.model.named_modules():
+        if ".experts." in name and hasattr(mod, "dequantize_weight"):
+            w = mod.dequantize_weight().detach().float()
+            assert tuple(w.shape) == (mod.in_features, mod.out_features), (name, tuple(w.shape))
+            deq[name] = w.t().contiguous()
+    orig = load_file(os.path.join(base, "model.safetensors"))  # the unquantized model, per-expert Linears
+    num = den = 0.0
+    for name, w in deq.items():  # model.layers.{L}.mlp.experts.{e}.{proj}
+        layer, e, proj = name.split("layers.")[1].split(".")[0], name.split(".")[-2], name.split(".")[-1]
+        mixtral = f"model.layers.{layer}.block_sparse_moe.experts.{e}.{_W[proj]}.weight"  # Mixtral's saved names
+        ref = orig.get(f"{name}.weight", orig.get(mixtral)).float()
+        num, den = num + (w - ref).pow(2).sum().item(), den + ref.pow(2).sum().item()
+    hidden = m.model.config.hidden_size
+    x = torch.randn(16, hidden, generator=torch.Generator().manual_seed(0))
+    block = m.model.model.layers[0].mlp
+    with torch.no_grad():
+        y = block(x[None].half())
+    y = (y[0] if isinstance(y, tuple) else y)[0]
+    return deq, {"x": x.contiguous(), "out": y.float().contiguous()}, (num / den) ** 0.5
+
+
+def gptqmodel(out: str, only) -> list:
+    """GPTQModel quantizes on the CPU (no CUDA on this machine): ``GPTQModel.load`` of the tiny bf16
+    model, ``quantize`` on the calibration token ids, ``save``. Attention is left unquantized
+    (``dynamic`` negative match): its o_proj has 64 inputs, fewer than a group of 128.
+    GPTQModel 7.7 sizes its CPU pool at (cores + 1) // 2 workers and then asks for a loader pool of
+    2: on a 2-core machine that is "Virtual pool 'model_loader:cpu' requests 2 workers but parent
+    'cpu' only has 1", so GPTQMODEL_CPU_WORKERS=2 is set here."""
+    names = [n for n in GPTQMODEL if not only or n in only]
+    if len(names) > 1:  # one process per fixture: GPTQModel patches transformers' MoE modules per model type,
+        failed = []  # and a Mixtral after a Qwen3-MoE in one process fails in its lazy loader
+        for name in names:
+            cmd = [sys.executable, os.path.join(os.path.dirname(__file__), "make_checkpoint_fixtures.py")]
+            if subprocess.run([*cmd, "--tool", "gptqmodel", "--out", out, "--only", name]).returncode:
+                failed.append((name, "its process failed (output above)"))
+        return failed
+    os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
+    out = os.path.abspath(out)
+    os.chdir(tempfile.mkdtemp(prefix="gptqmodel-cwd-"))  # it writes logs/gptq_log_*.log under the working folder
+    from gptqmodel import GPTQModel, QuantizeConfig
+    from safetensors.torch import save_file
+
+    failed = []
+    for name in names:
+        model, group, sizes = GPTQMODEL[name]
+        path = fresh(out, name)
+        info = {"tool": "gptqmodel", "version": version("gptqmodel"), "model": model, "scheme": f"W4 g{group} sym"}
+        info.update(sizes=sizes, note=gptqmodel.__doc__, layout="per-Linear [N, K] under each prefix")
+        with tempfile.TemporaryDirectory() as base:
+            try:
+                tiny_model(model, base, **sizes)
+                tokenizer().save_pretrained(base)
+                q = QuantizeConfig(bits=4, group_size=group, desc_act=False, sym=True, dynamic={r"-:.*self_attn.*": {}})
+                m = GPTQModel.load(base, q, device="cpu")
+                ids = [{"input_ids": t[0].tolist(), "attention_mask": [1] * t.shape[1]} for t in calibration()]
+                m.quantize(ids, batch_size=1)
+                m.save(path)
+                del m
+            except Exception as e:
+                traceback.print_exc()
+                failed.append((name, f"{type(e).__name__}: {e}"))
+                continue
+            try:
+                deq, io, err = _gptqmodel_outputs(path, base)
+                save_file(lossless(deq), _dequantized_path(path))
+                save_file(io, os.path.join(path, "tool_dequantized", "block_io.safetensors"))
+                info["tool_dequantized_vs_unquantized"] = round(err, 4)
+            except Exception as e:
+                traceback.print_exc()
+                info["dequantizer_failed"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        write_info(path, info)
+    return failed
+
+
+# llm-compressor fixtures whose environment's transformers gave no dequantized experts (it maps no
+# gate_proj / up_proj names for Mixtral and gpt-oss and leaves those experts random, keeps NVFP4 packed on
+# the CPU, fails on W4A16_ASYM and on the mixed config): compressed-tensors' own model-free dequantizer
+CT_DEQUANTIZED = [
+    "llmc_fp8_mixtral", "llmc_mxfp4a16_mixtral", "llmc_w4a16_gptq_mixtral", "llmc_w8a8_int8_mixtral",
+    "llmc_fp8_dynamic_gpt_oss", "llmc_nvfp4_deepseek_v3", "llmc_nvfp4a16_qwen3", "llmc_w4a16_asym_olmoe",
+    "llmc_mixed_qwen3",
+]  # fmt: skip
+
+
+def _ct_dequantize(path: str) -> dict[str, torch.Tensor]:
+    """compressed-tensors' ``CompressedTensorsDequantizer`` (its model-free checkpoint dequantizer,
+    ``compressed_tensors.entrypoints.convert``) on the folder's expert tensors, in float32: the expert
+    Linears' weights [N, K] under their module names. Only the experts' tensors are given to it: without
+    the model it cannot tell a Linear's ``weight`` from an embedding's (target "Linear" matched
+    ``model.embed_tokens.weight`` and asked for its weight_scale), and ``process`` is called rather
+    than ``validate``, which counts NVFP4's ``input_global_scale`` as an orphan parameter."""
+    from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import CompressedTensorsDequantizer
+    from safetensors.torch import load_file
+
+    tensors = {k: v for k, v in load_file(os.path.join(path, "model.safetensors")).items() if ".experts." in k}
+    out = CompressedTensorsDequantizer(path, dtype=torch.float32).process(tensors)
+    return {k[: -len(".weight")]: v.contiguous() for k, v in out.items() if ".experts." in k and k.endswith(".weight")}
+
+
+def ct_dequantize(out: str, only) -> list:
+    """Add ``tool_dequantized/experts.safetensors`` made by compressed-tensors' own dequantizer to the
+    llm-compressor fixtures already in ``out`` (CT_DEQUANTIZED): the checkpoints are not rewritten.
+    Run in llm-compressor's environment (the compressed-tensors that wrote them)."""
+    from safetensors.torch import save_file
+
+    failed = []
+    for name in CT_DEQUANTIZED:
+        if only and name not in only:
+            continue
+        path = os.path.join(out, name)
+        try:
+            deq = _ct_dequantize(path)
+        except Exception as e:
+            traceback.print_exc()
+            failed.append((name, f"{type(e).__name__}: {e}"))
+            continue
+        save_file(lossless(deq), _dequantized_path(path))
+        with open(os.path.join(path, "fixture.json")) as f:
+            info = json.load(f)
+        info.pop("dequantizer_failed", None)
+        info["layout"] = "per-Linear [N, K] under each prefix"
+        info["tool_dequantized"] = (
+            f"compressed-tensors {version('compressed-tensors')} CompressedTensorsDequantizer (model-free, float32); "
+            f"transformers {version('transformers')} loading the folder gave no dequantized experts"
+        )
+        with open(os.path.join(path, "fixture.json"), "w") as f:
+            json.dump(info, f, indent=1, sort_keys=True)
+        print(f"wrote {path}/tool_dequantized: {len(deq)} expert Linears", flush=True)
+    return failed
+
+
+def _modelopt_dequantize(path: str) -> dict[str, torch.Tensor]:
+    """ModelOpt's own dequantizers of its export format (``modelopt.torch.quantization.qtensor``):
+    ``NVFP4QTensor.dequantize`` (packed e2m1, e4m3 ``weight_scale`` per 16, fp32 ``weight_scale_2``) and
+    ``FP8QTensor.dequantize`` (e4m3, per-tensor ``weight_scale``), float32, per expert Linear [N, K]."""
+    from modelopt.torch.quantization.qtensor import FP8QTensor, NVFP4QTensor
+    from safetensors.torch import load_file
+
+    st = load_file(os.path.join(path, "model.safetensors"))
+    out = {}
+    for k, w in st.items():
+        if ".experts." not in k or not k.endswith(".weight"):
+            continue
+        name = k[: -len(".weight")]
+        if w.dtype == torch.uint8:  # NVFP4: two e2m1 codes per byte along K
+            shape = torch.Size([w.shape[0], w.shape[1] * 2])
+            q = NVFP4QTensor(shape, torch.float32, w)
+            kw = dict(scale=st[f"{name}.weight_scale"], double_scale=st[f"{name}.weight_scale_2"], block_sizes={-1: 16})
+            out[name] = q.dequantize(dtype=torch.float32, **kw)
+        else:
+            out[name] = FP8QTensor(w.shape, torch.float32, w).dequantize(
+                dtype=torch.float32, scale=st[f"{name}.weight_scale"]
+            )
+    return {k: v.float().contiguous() for k, v in out.items()}
+
+
+def modelopt_dequantize(out: str, only) -> list:
+    """Add ``tool_dequantized/experts.safetensors`` made by ModelOpt's own dequantizers to the ModelOpt
+    fixtures already in ``out`` (the checkpoints are not rewritten); run in ModelOpt's environment."""
+    from safetensors.torch import save_file
+
+    failed = []
+    for name in MODELOPT:
+        if only and name not in only:
+            continue
+        path = os.path.join(out, name)
+        try:
+            deq = _modelopt_dequantize(path)
+        except Exception as e:
+            traceback.print_exc()
+            failed.append((name, f"{type(e).__name__}: {e}"))
+            continue
+        save_file(lossless(deq), _dequantized_path(path))
+        with open(os.path.join(path, "fixture.json")) as f:
+            info = json.load(f)
+        info["layout"] = "per-Linear [N, K] under each prefix"
+        info["tool_dequantized"] = (
+            f"nvidia-modelopt {version('nvidia-modelopt')} NVFP4QTensor / FP8QTensor.dequantize (float32)"
+        )
+        with open(os.path.join(path, "fixture.json"), "w") as f:
+            json.dump(info, f, indent=1, sort_keys=True)
+        print(f"wrote {path}/tool_dequantized: {len(deq)} expert Linears", flush=True)
+    return failed
+
+
+TOOLS = {
+    "llmcompressor": llmcompressor,
+    "transformers": transformers_fp8,
+    "modelopt": modelopt,
+    "autoawq": autoawq,
+    "gptqmodel": gptqmodel,
+    "ct-dequantize": ct_dequantize,
+    "modelopt-dequantize": modelopt_dequantize,
+}
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -8,7 +8,9 @@ loader reading the checkpoint's ``*.safetensors`` never sees it): the expert wei
 own code dequantizes them (the model the tool's environment builds from the
 saved checkpoint, float32), under the names of the loaded module's fused
 parameters (``model.layers.{L}.{block}.experts.gate_up_proj`` / ``down_proj``)
-with the layout flags in fixture.json.
+with the layout flags in fixture.json, or per expert Linear under its own name
+(``...experts.{e}.gate_proj`` -> [N, K]) where the tool dequantizes Linears; stored
+in the narrowest float type that holds the values exactly (``lossless``).
 
 Run one tool per call, in a virtual environment that has it (their pins
 conflict: llm-compressor 0.14 pins transformers 5.17);
@@ -105,6 +107,20 @@ def version(dist: str) -> str:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
         return "not installed"
+
+
+def lossless(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each float tensor in the narrowest of float16 / bfloat16 / float32 that holds its values exactly
+    (a tool that dequantizes in float16 or bfloat16 gives values of that type: half the bytes)."""
+    out = {}
+    for k, t in tensors.items():
+        t = t.float().contiguous()
+        for dt in (torch.float16, torch.bfloat16):
+            if torch.equal(t.to(dt).float(), t):
+                t = t.to(dt)
+                break
+        out[k] = t
+    return out
 
 
 def _dequantized_path(path: str) -> str:

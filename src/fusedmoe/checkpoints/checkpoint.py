@@ -10,8 +10,10 @@ checkpoint tensor (with TP/EP sharding) -> ``process_weights_after_loading``.
 Loading streams: the files are memory-mapped (``safetensors.safe_open``) and a
 tensor is read when its Linear is loaded, then dropped once copied into the
 layer, so one layer of a checkpoint of any size reads that layer's tensors
-and nothing else (the names come from the headers alone). The peak memory
-of such a load has not been measured yet.
+and nothing else (the names come from the headers alone). Measured peak
+memory (``load_layer``'s docstring, tests/checkpoints/test_peak_memory.py):
+the layer's own data plus an index of the checkpoint's tensor names, about
+0.3 KiB per tensor, whatever the checkpoint's size in bytes.
 """
 
 from __future__ import annotations
@@ -142,7 +144,22 @@ def load_layer(
     platform: Platform | None = None,
     keep_reference: bool = False,
 ) -> FusedMoE:
-    """One MoE layer (default: the first) of the checkpoint at ``path``."""
+    """One MoE layer (default: the first) of the checkpoint at ``path``.
+
+    Reads the safetensors headers of every file and then only this layer's expert tensors (and its
+    router's correction bias and shared experts where the model has them), so a layer of a 100 GB
+    checkpoint is loaded without reading the rest: the peak memory is the layer plus an index of
+    the tensor names, and grows with the number of tensors, not with the checkpoint's bytes.
+
+    Measured (2-core CPU, torch 2.13, ``cpu`` backend; tests/checkpoints/test_peak_memory.py with
+    ``FUSEDMOE_PEAK_MEMORY_GB=8``): the last layer (16 experts, 6.0 MiB of fp8 weights) of an
+    8.1 GiB compressed-tensors FP8 checkpoint of 1365 MoE layers (132,405 tensors in 171 files)
+    raised the peak resident memory by 56 MiB (55.1 and 55.6 MiB in two runs, 1.5-3 s). Of that,
+    43 MiB is opening the 171 files and indexing their 132,405 tensor names (about 0.3 KiB a
+    tensor; measured alone on a checkpoint of the same names with tiny tensors) and the rest is the
+    layer. The same layer of a 0.24 GiB checkpoint (40 layers, 5 files): 13 MiB. 100 GB was not
+    written here (the disk is smaller); by the above, its index costs ~0.3 KiB per tensor it holds.
+    """
     reader, fmt, arch = open_checkpoint(path, dtype, online, device)
     layer = arch.moe_layers[0] if layer is None else layer
     kw = dict(backend=backend, parallel=parallel, device=device, platform=platform, keep_reference=keep_reference)
