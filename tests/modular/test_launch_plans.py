@@ -185,20 +185,23 @@ def test_gpu_replay_equals_the_plain_call(scheme, t, monkeypatch):
     _check_replays(kernel, problem, t, "cuda", monkeypatch)
 
 
-def test_generated_replay_calls_each_binary_with_the_recorded_arguments():
+def test_generated_replay_calls_each_binary_with_the_recorded_arguments(monkeypatch):
     # the GPU path of a replay (pointers as integers, one generated function): its calls checked
     # against what the recorded launches say, with a stand-in for Triton's launcher
     from fusedmoe.kernels.launch import DirectLaunch
+    from fusedmoe.modular import replay as replay_module
     from fusedmoe.modular.replay import _compile
 
     calls = []
+    # a kernel with global scratch (TMA descriptors): the replay installs the allocator first
+    monkeypatch.setattr(replay_module, "ensure_allocator", lambda: calls.append("allocator"))
     held = torch.arange(4.0)
 
     def run(*a):
         calls.append(a)
 
     first = DirectLaunch(run, (3, 1, 1), 111, "meta1", (64, "silu"))
-    second = DirectLaunch(run, (2, 5, 1), 222, "meta2", ())
+    second = DirectLaunch(run, (2, 5, 1), 222, "meta2", (), needs_allocator=True)
     steps = [
         ("launch", first, [None, 7, 0.5, None, held, None], ((0, 0, 16), (3, 2, 0), (5, 1, 256))),
         ("launch", second, [None, True], ((0, 3, 8),)),
@@ -207,6 +210,7 @@ def test_generated_replay_calls_each_binary_with_the_recorded_arguments():
     bases = [1000, 2000, 3000, 4000]
     replay(bases, None, 99)
     assert calls == [
+        "allocator",
         (3, 1, 1, 99, 111, "meta1", None, None, None, 1016, 7, 0.5, 3000, held.data_ptr(), 2256, 64, "silu"),
         (2, 5, 1, 99, 222, "meta2", None, None, None, 4008, True),
     ]

@@ -38,7 +38,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 import triton.language as tl
 
 from ..errors import expect
@@ -58,7 +57,7 @@ from .gemm_format import (
     optional_ptrs,
     shared_constexprs,
 )
-from .launch import launch
+from .launch import ensure_allocator, launch
 from .launch_config import LaunchConfig
 
 _FLOAT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -194,25 +193,6 @@ def _ws_why(act: ActEpilogue | None, cfg: LaunchConfig, w_rows: int) -> str | No
     return "warp_specialize: gave wrong results on an H100 (relative error 0.6, kbench 2026-11-25); declined"
 
 
-def _alloc(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    """Global scratch for device-side tensor descriptors (Triton asks at each launch)."""
-    return torch.empty(size, dtype=torch.int8, device="cpu" if interpreting() else "cuda")
-
-
-def _ensure_allocator() -> None:
-    """Install ``_alloc`` unless the caller set an allocator. Triton keeps it in a ContextVar,
-    so a thread that never set one (a new thread starts with Triton's null allocator) gets it
-    at its first launch."""
-    try:
-        from triton.runtime._allocation import NullAllocator, _allocator
-
-        if not isinstance(_allocator.get(), NullAllocator):
-            return
-    except ImportError:  # another Triton layout: set ours
-        pass
-    triton.set_allocator(_alloc)
-
-
 def _num_programs(tiles: int) -> int:
     sms = current_platform().sm_count if not interpreting() else _INTERPRETER_PROGRAMS
     return max(1, min(sms or _INTERPRETER_PROGRAMS, tiles))
@@ -285,7 +265,7 @@ def persistent_gemm_launch(
     c_arg = _u8(c)
     dummy = c_arg
     routing_ptrs = (None, None, None) if batched else (routing.sorted_ids, routing.block_expert, routing.num_padded)
-    _ensure_allocator()
+    ensure_allocator()
     grid = (_num_programs(rows.num_m_blocks * cdiv(n, cfg.block_n)),)
     launch(
         _persistent_gemm_kernel,

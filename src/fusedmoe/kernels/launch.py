@@ -21,16 +21,19 @@ itself would have chosen.
 Falls back to ``kernel[grid]`` under the interpreter, while a launch hook is set (profilers), and
 for an argument type it does not know. ``FUSEDMOE_FAST_LAUNCH=0`` turns the fast path off.
 Interceptors (``intercept_launches``) see every launch, fast or not (the tuner records what it
-would compile).
+would compile). A launch plan being recorded (``launches_recorded``, per thread) is told how to make
+each launch again (``DirectLaunch``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
+import triton
 from triton import knobs
 
 from .. import env
@@ -41,7 +44,7 @@ _I32 = (-(2**31), 2**31 - 1)
 _CACHE: dict[tuple, tuple] = {}
 _ORDER: dict[object, tuple] = {}  # kernel -> (constexpr names in signature order, #runtime args)
 _INTERCEPTORS: list[Callable] = []
-_RECORDERS: list = []  # launch plans being recorded (``modular.replay``): the innermost sees launches
+_TLS = threading.local()  # .recorder: the launch plan this thread is recording (``modular.replay``)
 
 
 def _spec(v) -> object:
@@ -100,11 +103,12 @@ def launches_recorded(recorder) -> Iterator:
     callable ``f(args)`` under the interpreter (tensors for pointers). A launch that cannot be made
     so calls ``recorder.refuse(why)``. The launch itself runs inside ``recorder.launching()``. For
     launch plans (``modular.replay``)."""
-    _RECORDERS.append(recorder)
+    outer = getattr(_TLS, "recorder", None)
+    _TLS.recorder = recorder
     try:
         yield recorder
     finally:
-        _RECORDERS.pop()
+        _TLS.recorder = outer
 
 
 @dataclass(frozen=True)
@@ -117,6 +121,7 @@ class DirectLaunch:
     function: int
     packed: object
     constexprs: tuple
+    needs_allocator: bool = False  # global scratch (device-side tensor descriptors): ``ensure_allocator`` first
 
 
 def plannable() -> bool:
@@ -126,8 +131,26 @@ def plannable() -> bool:
     return not (_INTERCEPTORS or _OVERRIDE) and env.launch_plans() and (interpreting() or not _hooked())
 
 
-def _record(kernel, grid: tuple, args: tuple, num_warps: int, num_stages: int, constexprs: dict) -> None:
-    rec = _RECORDERS[-1]
+def _alloc(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Global scratch for device-side tensor descriptors (Triton asks at each launch)."""
+    return torch.empty(size, dtype=torch.int8, device="cpu" if interpreting() else "cuda")
+
+
+def ensure_allocator() -> None:
+    """Install ``_alloc`` unless the caller set an allocator. Triton keeps it in a ContextVar,
+    so a thread that never set one (a new thread starts with Triton's null allocator) gets it
+    at its first launch."""
+    try:
+        from triton.runtime._allocation import NullAllocator, _allocator
+
+        if not isinstance(_allocator.get(), NullAllocator):
+            return
+    except ImportError:  # another Triton layout: set ours
+        pass
+    triton.set_allocator(_alloc)
+
+
+def _record(rec, kernel, grid: tuple, args: tuple, num_warps: int, num_stages: int, constexprs: dict) -> None:
     kw = dict(constexprs, num_warps=num_warps, num_stages=num_stages)
     with rec.launching():
         compiled = kernel[grid](*args, **kw)
@@ -140,7 +163,8 @@ def _record(kernel, grid: tuple, args: tuple, num_warps: int, num_stages: int, c
         return
     g = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
     cvals = tuple(constexprs[n] for n in names)
-    rec.launched(args, DirectLaunch(compiled.run, g, compiled.function, compiled.packed_metadata, cvals))
+    scratch = getattr(compiled.run, "global_scratch_size", 0) > 0
+    rec.launched(args, DirectLaunch(compiled.run, g, compiled.function, compiled.packed_metadata, cvals, scratch))
 
 
 def launch(kernel, grid: tuple, *args, num_warps: int = 4, num_stages: int = 3, **constexprs) -> None:
@@ -148,8 +172,9 @@ def launch(kernel, grid: tuple, *args, num_warps: int = 4, num_stages: int = 3, 
     if _INTERCEPTORS:
         _INTERCEPTORS[-1](kernel, grid, args, dict(constexprs, num_warps=num_warps, num_stages=num_stages))
         return
-    if _RECORDERS:
-        _record(kernel, grid, args, num_warps, num_stages, constexprs)
+    rec = getattr(_TLS, "recorder", None)
+    if rec is not None:
+        _record(rec, kernel, grid, args, num_warps, num_stages, constexprs)
         return
     if interpreting() or not env.fast_launch():
         kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **constexprs)

@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..kernels.launch import launches_recorded, plannable
+from ..kernels.launch import ensure_allocator, launches_recorded, plannable
 from ..kernels.launch import raw_stream as _raw_stream
 
 _ALIGN = 256  # scratch regions start at multiples of this (caching-allocator blocks: 512)
@@ -293,8 +293,10 @@ def _compile(steps: list[tuple]) -> Callable:
     """The steps as one generated function ``f(bases, tensors, stream)``: each launch a direct call
     of its binary with the constants bound and each pointer ``bases[i] + offset``, so a replay costs
     the binaries' own calls plus ~1 us of Python per launch (a loop over templates cost ~10 us)."""
-    names: dict[str, object] = {"_fill": _fill}
+    names: dict[str, object] = {"_fill": _fill, "_ensure_allocator": ensure_allocator}
     lines = ["def replay(bases, tensors, stream):"]
+    if any(s[0] == "launch" and s[1].needs_allocator for s in steps):  # this thread may not have one yet
+        lines.append("    _ensure_allocator()")
     for i, step in enumerate(steps):
         if step[0] == "fill":
             names[f"F{i}"] = step[1:]
