@@ -354,6 +354,7 @@ class Bench:
         rows as values, whether they are fp8 group codes; (None, why, _) where the persistent
         kernel refuses."""
         torch = self.torch
+        from fusedmoe.kernels.gemm_format import GemmCall
         from fusedmoe.kernels.grouped_gemm import grouped_gemm_launch
         from fusedmoe.kernels.grouped_gemm_persistent import (
             GroupQuantEpilogue,
@@ -373,8 +374,7 @@ class Bench:
             a, a_scale = self.by_slot(op, r)
         out = torch.empty(pairs, op.n, dtype=torch.float8_e4m3fn if group else torch.bfloat16, device=self.dev)
         scales = torch.empty(pairs, -(-op.n // 128), device=self.dev) if group else None
-        kw = dict(routing=r, a_div=op.a_div, bias=op.bias, route_weights=op.route_weights, act=act,
-                  act_scale=scales)  # fmt: skip
+        call = GemmCall(r, a_div=op.a_div, bias=op.bias, route_weights=op.route_weights, act=act, act_scale=scales)
         a_op = Operand(QTensor(a, (*a.shape[:-1], op.kd), scale=a_scale), op.a_quant)
         w_op = Operand(op.w, op.w_quant)
         if old:
@@ -386,7 +386,7 @@ class Bench:
             launch = persistent_gemm_launch
 
         def fn():
-            launch(a_op, w_op, out, op.fmt, cfg, **kw)
+            launch(a_op, w_op, out, op.fmt, cfg, call)
 
         def read(p):
             if not group:

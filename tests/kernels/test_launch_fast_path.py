@@ -52,7 +52,7 @@ class _Kernel:
 def fast(monkeypatch):
     monkeypatch.setattr(L, "interpreting", lambda: False)
     monkeypatch.setattr(L.torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(L, "_raw_stream", lambda device: 1234)
+    monkeypatch.setattr(L, "raw_stream", lambda device: 1234)
     L.clear_cache()
     yield
     L.clear_cache()
