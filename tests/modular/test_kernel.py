@@ -245,3 +245,27 @@ def test_router_weight_on_input_is_quantized_from_fp32(seed):
     prob = make_problem(config, QuantScheme.fp8_per_tensor(), 1, seed=seed)
     out = _run(prob, "local", "reference")
     assert rel_error(out, prob.reference()) <= 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("upcast", [False, True], ids=["half_gemm", "fp32_gemm"])
+def test_cpu_backend_fp32_gemms_match_the_half_precision_ones(dtype, upcast, monkeypatch):
+    """Experts with >= UPCAST_ROWS rows run their GEMMs in fp32 on a CPU without half-precision
+    GEMMs (``platform.cpu_has_half_gemm``): both ways agree with the float64 reference, and the
+    rounding of each GEMM's output is the same (the two agree far inside the tolerance)."""
+    from fusedmoe.experts import cpu as cpu_mod
+
+    config = MoEConfig(4, 2, 96, 48, dtype=dtype)
+    s = QuantScheme.unquantized()
+    prob = make_problem(config, s, 64, seed=5)  # 32 rows per expert on average: every expert upcast
+    d = LocalDispatcher(config, s).dispatch(prob.x, TopK(prob.topk_ids, prob.topk_weights), prob.weights)
+    calls = []
+    monkeypatch.setattr(cpu_mod, "cpu_has_half_gemm", lambda: calls.append(1) or not upcast)
+    out = poison_(torch.empty(64, 96, dtype=dtype))
+    CpuExperts(config, s).apply(d.a, d.topk, prob.weights, out)
+    assert calls, "the GEMMs did not ask which way to multiply"
+    assert rel_error(out, prob.reference()) <= tolerance(s, dtype)
+    monkeypatch.setattr(cpu_mod, "cpu_has_half_gemm", lambda: True)
+    half = torch.empty(64, 96, dtype=dtype)
+    CpuExperts(config, s).apply(d.a, d.topk, prob.weights, half)
+    assert rel_error(out, half) <= tolerance(s, dtype) / 4
