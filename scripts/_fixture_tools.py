@@ -341,19 +341,19 @@ def _ct_dequantize(path: str) -> dict[str, torch.Tensor]:
     return {k[: -len(".weight")]: v.contiguous() for k, v in out.items() if ".experts." in k and k.endswith(".weight")}
 
 
-def ct_dequantize(out: str, only) -> list:
-    """Add ``tool_dequantized/experts.safetensors`` made by compressed-tensors' own dequantizer to the
-    llm-compressor fixtures already in ``out`` (CT_DEQUANTIZED): the checkpoints are not rewritten.
-    Run in llm-compressor's environment (the compressed-tensors that wrote them)."""
+def _add_dequantized(out: str, names, only, dequantize, note: str) -> list:
+    """Write ``tool_dequantized/experts.safetensors`` = ``dequantize(folder)`` beside each fixture of
+    ``names`` already in ``out`` (the checkpoints are not rewritten) and record ``note`` in its
+    fixture.json; returns [(fixture, error)] for the ones that failed."""
     from safetensors.torch import save_file
 
     failed = []
-    for name in CT_DEQUANTIZED:
+    for name in names:
         if only and name not in only:
             continue
         path = os.path.join(out, name)
         try:
-            deq = _ct_dequantize(path)
+            deq = dequantize(path)
         except Exception as e:
             traceback.print_exc()
             failed.append((name, f"{type(e).__name__}: {e}"))
@@ -363,14 +363,21 @@ def ct_dequantize(out: str, only) -> list:
             info = json.load(f)
         info.pop("dequantizer_failed", None)
         info["layout"] = "per-Linear [N, K] under each prefix"
-        info["tool_dequantized"] = (
-            f"compressed-tensors {version('compressed-tensors')} CompressedTensorsDequantizer (model-free, float32); "
-            f"transformers {version('transformers')} loading the folder gave no dequantized experts"
-        )
+        info["tool_dequantized"] = note
         with open(os.path.join(path, "fixture.json"), "w") as f:
             json.dump(info, f, indent=1, sort_keys=True)
         print(f"wrote {path}/tool_dequantized: {len(deq)} expert Linears", flush=True)
     return failed
+
+
+def ct_dequantize(out: str, only) -> list:
+    """``tool_dequantized/`` by compressed-tensors' own dequantizer for the llm-compressor fixtures
+    (CT_DEQUANTIZED); run in llm-compressor's environment (the compressed-tensors that wrote them)."""
+    note = (
+        f"compressed-tensors {version('compressed-tensors')} CompressedTensorsDequantizer (model-free, float32); "
+        f"transformers {version('transformers')} loading the folder gave no dequantized experts"
+    )
+    return _add_dequantized(out, CT_DEQUANTIZED, only, _ct_dequantize, note)
 
 
 def _modelopt_dequantize(path: str) -> dict[str, torch.Tensor]:
@@ -399,32 +406,10 @@ def _modelopt_dequantize(path: str) -> dict[str, torch.Tensor]:
 
 
 def modelopt_dequantize(out: str, only) -> list:
-    """Add ``tool_dequantized/experts.safetensors`` made by ModelOpt's own dequantizers to the ModelOpt
-    fixtures already in ``out`` (the checkpoints are not rewritten); run in ModelOpt's environment."""
-    from safetensors.torch import save_file
-
-    failed = []
-    for name in MODELOPT:
-        if only and name not in only:
-            continue
-        path = os.path.join(out, name)
-        try:
-            deq = _modelopt_dequantize(path)
-        except Exception as e:
-            traceback.print_exc()
-            failed.append((name, f"{type(e).__name__}: {e}"))
-            continue
-        save_file(lossless(deq), _dequantized_path(path))
-        with open(os.path.join(path, "fixture.json")) as f:
-            info = json.load(f)
-        info["layout"] = "per-Linear [N, K] under each prefix"
-        info["tool_dequantized"] = (
-            f"nvidia-modelopt {version('nvidia-modelopt')} NVFP4QTensor / FP8QTensor.dequantize (float32)"
-        )
-        with open(os.path.join(path, "fixture.json"), "w") as f:
-            json.dump(info, f, indent=1, sort_keys=True)
-        print(f"wrote {path}/tool_dequantized: {len(deq)} expert Linears", flush=True)
-    return failed
+    """``tool_dequantized/`` by ModelOpt's own dequantizers for the ModelOpt fixtures; run in
+    ModelOpt's environment."""
+    note = f"nvidia-modelopt {version('nvidia-modelopt')} NVFP4QTensor / FP8QTensor.dequantize (float32)"
+    return _add_dequantized(out, MODELOPT, only, _modelopt_dequantize, note)
 
 
 TOOLS = {
