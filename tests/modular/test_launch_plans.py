@@ -202,9 +202,11 @@ def test_generated_replay_calls_each_binary_with_the_recorded_arguments(monkeypa
 
     first = DirectLaunch(run, (3, 1, 1), 111, "meta1", (64, "silu"))
     second = DirectLaunch(run, (2, 5, 1), 222, "meta2", (), needs_allocator=True)
+    bare = DirectLaunch(run, (1, 1, 1), 333, "meta3", ())  # a kernel without runtime arguments
     steps = [
         ("launch", first, [None, 7, 0.5, None, held, None], ((0, 0, 16), (3, 2, 0), (5, 1, 256))),
         ("launch", second, [None, True], ((0, 3, 8),)),
+        ("launch", bare, [], ()),
     ]
     replay = _compile([(k, d, t, tuple((*f, torch.float32, (1,), (1,)) for f in fix)) for k, d, t, fix in steps])
     bases = [1000, 2000, 3000, 4000]
@@ -213,6 +215,7 @@ def test_generated_replay_calls_each_binary_with_the_recorded_arguments(monkeypa
         "allocator",
         (3, 1, 1, 99, 111, "meta1", None, None, None, 1016, 7, 0.5, 3000, held.data_ptr(), 2256, 64, "silu"),
         (2, 5, 1, 99, 222, "meta2", None, None, None, 4008, True),
+        (1, 1, 1, 99, 333, "meta3", None, None, None),
     ]
 
 

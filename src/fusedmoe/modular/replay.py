@@ -315,8 +315,8 @@ def _compile(steps: list[tuple]) -> Callable:
                 names[f"C{i}_{pos}"] = v
                 args.append(f"C{i}_{pos}")
         names.update({f"R{i}": d.run, f"N{i}": d.function, f"P{i}": d.packed, f"T{i}": d.constexprs})
-        g0, g1, g2 = d.grid
-        lines.append(f"    R{i}({g0}, {g1}, {g2}, stream, N{i}, P{i}, None, None, None, {', '.join(args)}, *T{i})")
+        call = [*map(str, d.grid), "stream", f"N{i}", f"P{i}", "None", "None", "None", *args, f"*T{i}"]
+        lines.append(f"    R{i}({', '.join(call)})")
     if len(lines) == 1:
         lines.append("    pass")
     exec(compile("\n".join(lines), "<fusedmoe launch plan>", "exec"), names)  # noqa: S102 - generated above
