@@ -46,6 +46,7 @@ from .. import env
 from ..contract import TokenLayout, WeightedReduce, Workspace, take
 from ..errors import UnsupportedError, expect
 from ..experts.base import Experts
+from ..kernels._common import interpreting
 from ..metadata import TopK
 from ..quant import FORMATS
 from ..weights import ExpertWeights
@@ -226,6 +227,8 @@ class MoEKernel:
         of every weight tensor."""
         t = x.shape[0]
         if self._plans is None or t == 0 or self.config.identity_experts or (self.chunk_size and t > self.chunk_size):
+            return None
+        if not (x.is_cuda or interpreting()):  # no kernel launches on the CPU: nothing to replay
             return None
         ids, tw = topk.ids, topk.weights
         wts = weight_tensors(weights)
