@@ -388,10 +388,13 @@ class RouterConfig:
 _PLANS: dict[int, tuple[weakref.ref, LaunchPlans]] = {}
 
 
-def _plans_of(router: RouterConfig) -> LaunchPlans:
+def _plans_of(router: RouterConfig, create: bool = True) -> LaunchPlans | None:
+    """``router``'s plans (made now if ``create``, else None when it has none)."""
     hit = _PLANS.get(id(router))
     if hit is not None and hit[0]() is router:
         return hit[1]
+    if not create:
+        return None
     key = id(router)
     plans = LaunchPlans()
     _PLANS[key] = (weakref.ref(router, lambda _: _PLANS.pop(key, None)), plans)
@@ -401,14 +404,14 @@ def _plans_of(router: RouterConfig) -> LaunchPlans:
 def _replayed(router: RouterConfig, logits, bias) -> TopK | None:
     """The routing of ``logits`` by ``router``'s plan for logits of their kind, or None (no plan:
     the call is checked and routed as usual, and recorded)."""
-    hit = _PLANS.get(id(router))
-    if hit is None or hit[0]() is not router or not hit[1].plans:
+    plans = _plans_of(router, create=False)
+    if plans is None or not plans.plans:
         return None
     try:
         key = _plan_key(logits, bias)
     except (AttributeError, TypeError):  # not tensors: the checks name the argument
         return None
-    out = hit[1].replay(key, (logits, bias))
+    out = plans.replay(key, (logits, bias))
     return None if out is None else TopK(*out)
 
 

@@ -238,3 +238,23 @@ def test_inputs_sharing_one_buffer_are_replayed_each_from_its_own_address(monkey
     out = kernel(x, TopK(topk.ids, weights), problem.weights)
     assert len(kernel._plans.plans) == 1 and len(kernel._plans._seen) == 1  # the packed call's plan replayed
     assert torch.equal(out, _plain(kernel, x, topk, problem.weights, monkeypatch))
+
+
+def test_the_router_replays_its_fused_kernel(monkeypatch):
+    # fused=True: the routing kernel (the interpreter here); fresh logits each call, the replayed
+    # routing equals the plans-off one bit for bit and PyTorch's within rounding
+    from fusedmoe.routing import RouterConfig, _plans_of
+
+    router = RouterConfig(16, 4, scoring="sigmoid", renormalize=True, num_expert_group=4, topk_group=2)
+    bias = torch.randn(16) * 0.1
+    for seed in range(4):
+        logits = torch.randn(5, 16, generator=torch.Generator().manual_seed(50 + seed))
+        got = router.route(logits, bias, fused=True)
+        with monkeypatch.context() as m:
+            m.setenv("FUSEDMOE_LAUNCH_PLANS", "0")
+            plain = router.route(logits, bias, fused=True)
+        ref = router.route(logits, bias, fused=False)
+        assert torch.equal(got.ids, plain.ids) and torch.equal(got.weights, plain.weights)
+        assert torch.equal(got.ids.sort(dim=1).values, ref.ids.sort(dim=1).values)
+    plans = _plans_of(router, create=False)
+    assert plans is not None and len(plans.plans) == 1 and not plans.refused

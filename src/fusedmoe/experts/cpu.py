@@ -66,7 +66,9 @@ class CpuExperts(Experts):
     def _mm(self, a: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
         if self.deterministic:
             return batch_invariant_mm(a, w_t)
-        if a.shape[0] >= UPCAST_ROWS and a.dtype in (torch.bfloat16, torch.float16) and not cpu_has_half_gemm():
+        # the CPU's own GEMM only: the loop baseline (a subclass) also runs on GPUs
+        half = a.dtype in (torch.bfloat16, torch.float16)
+        if half and a.shape[0] >= UPCAST_ROWS and a.device.type == "cpu" and not cpu_has_half_gemm():
             return (a.float() @ w_t.float()).to(a.dtype)
         return a @ w_t
 

@@ -38,7 +38,7 @@ from triton import knobs
 
 from .. import env
 from ._common import interpreting
-from .launch_config import _OVERRIDE
+from .launch_config import scoped_override
 
 _I32 = (-(2**31), 2**31 - 1)
 _CACHE: dict[tuple, tuple] = {}
@@ -128,7 +128,7 @@ def plannable() -> bool:
     """Whether launch plans may record or replay now: no interceptor (the tuner), no scoped launch
     config (``override_launch_config``: a plan would replay the configs it recorded), no launch
     hook (a profiler sees Triton's own launches), and ``FUSEDMOE_LAUNCH_PLANS`` on."""
-    return not (_INTERCEPTORS or _OVERRIDE) and env.launch_plans() and (interpreting() or not _hooked())
+    return not _INTERCEPTORS and not scoped_override() and env.launch_plans() and (interpreting() or not _hooked())
 
 
 def _alloc(size: int, alignment: int, stream: int | None) -> torch.Tensor:

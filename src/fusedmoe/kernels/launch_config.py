@@ -120,10 +120,15 @@ def override_launch_config(cfg: LaunchConfig) -> Iterator[LaunchConfig]:
         _OVERRIDE.pop()
 
 
+def scoped_override() -> bool:
+    """An ``override_launch_config`` block is active."""
+    return bool(_OVERRIDE)
+
+
 def overridden() -> bool:
     """A config is pinned (``override_launch_config`` or ``FUSEDMOE_LAUNCH_CONFIG``): it wins over
     every table and heuristic, the 4-bit kernel's too."""
-    return bool(_OVERRIDE) or env.raw(env.LAUNCH_CONFIG) is not None
+    return scoped_override() or env.raw(env.LAUNCH_CONFIG) is not None
 
 
 def default_launch_config(m_pairs: int, num_experts: int, n: int, k: int, scheme_key: str) -> LaunchConfig:
