@@ -55,14 +55,31 @@ class AlignedRouting:
     Invariants (tested): counts sum to the number of local pairs; every local
     pair appears exactly once in sorted_ids[:num_padded]; slots of a block all
     belong to its expert; padding slots hold num_pairs.
+
+    pair_blocks (``kernels.align.pair_blocks``, decode without ``moe_align``): block b holds
+    pair b alone, in slot b * BM (the block's other slots are padding). ``block_expert`` is
+    then the pairs' own expert ids [T*K], unchecked: the kernels skip a block whose id is
+    outside [0, E_l), as ``moe_align`` leaves such pairs out. ``sorted_ids``, ``num_padded``
+    and ``expert_counts`` are None (the kernels derive the slots from the block index;
+    ``slot_ids()`` makes them for references and tests).
     """
 
-    sorted_ids: torch.Tensor
+    sorted_ids: torch.Tensor | None
     block_expert: torch.Tensor
-    num_padded: torch.Tensor
-    expert_counts: torch.Tensor
+    num_padded: torch.Tensor | None
+    expert_counts: torch.Tensor | None
     block_m: int
     num_pairs: int
+    pair_blocks: bool = False
+
+    def slot_ids(self) -> torch.Tensor:
+        """int32 [blocks * BM]: the pair in each slot (``num_pairs`` for padding)."""
+        if not self.pair_blocks:
+            return self.sorted_ids
+        n, bm = self.num_pairs, self.block_m
+        slots = torch.full((n, bm), n, dtype=torch.int32, device=self.block_expert.device)
+        slots[:, 0] = torch.arange(n, dtype=torch.int32, device=slots.device)
+        return slots.reshape(-1)
 
     @staticmethod
     def max_padded(num_pairs: int, num_local_experts: int, block_m: int) -> int:

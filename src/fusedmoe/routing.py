@@ -405,7 +405,7 @@ def _replayed(router: RouterConfig, logits, bias) -> TopK | None:
     """The routing of ``logits`` by ``router``'s plan for logits of their kind, or None (no plan:
     the call is checked and routed as usual, and recorded)."""
     plans = _plans_of(router, create=False)
-    if plans is None or not plans.plans:
+    if plans is None or not plans.plans or torch.compiler.is_compiling():  # traced, not replayed
         return None
     try:
         key = _plan_key(logits, bias)

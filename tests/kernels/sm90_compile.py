@@ -1,4 +1,5 @@
-"""Compile the persistent grouped GEMM and the 4-bit weight GEMM for sm_90 on a machine without a GPU.
+"""Compile the persistent grouped GEMM, the 4-bit weight GEMM and the decode launches for sm_90 on a
+machine without a GPU.
 
     PYTHONPATH=src python3 tests/kernels/sm90_compile.py [--json]
 
@@ -184,25 +185,36 @@ def _operands(case: Case):
 _COMPILER: dict = {}
 
 
-def compile_case(case: Case) -> dict:
-    import fusedmoe.kernels.grouped_gemm_persistent as gp
-    from fusedmoe.kernels.gemm_format import GemmCall
+def _compiled(launches) -> dict:
+    """Run ``launches()`` (which builds its operands and launches) with every launch compiled for
+    sm_90 instead of run: what the last compiled kernel shows, or the error, and the seconds taken."""
     from fusedmoe.kernels.launch import intercept_launches
-    from fusedmoe.platform import Platform
 
-    gp.current_platform = lambda: Platform.simulated("sm90")  # supports() asks for sm90+ (no GPU here)
     comp = _COMPILER.get("c") or _COMPILER.setdefault("c", _Compiler())
     t0 = time.time()
     try:
-        a, w, c, fmt, cfg, kw = _operands(case)
         comp.found = {}
         with intercept_launches(comp):
-            gp.persistent_gemm_launch(a, w, c, fmt, cfg, GemmCall(**kw))
+            launches()
         res = {"ok": bool(comp.found), **comp.found}
     except Exception as exc:
         res = {"ok": False, "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"}
     res["seconds"] = round(time.time() - t0, 2)
     return res
+
+
+def compile_case(case: Case) -> dict:
+    import fusedmoe.kernels.grouped_gemm_persistent as gp
+    from fusedmoe.kernels.gemm_format import GemmCall
+    from fusedmoe.platform import Platform
+
+    gp.current_platform = lambda: Platform.simulated("sm90")  # supports() asks for sm90+ (no GPU here)
+
+    def launches() -> None:
+        a, w, c, fmt, cfg, kw = _operands(case)
+        gp.persistent_gemm_launch(a, w, c, fmt, cfg, GemmCall(**kw))
+
+    return _compiled(launches)
 
 
 @dataclasses.dataclass
@@ -243,7 +255,6 @@ def compile_w4_case(case: W4Case) -> dict:
     from fusedmoe.kernels.align import moe_align_ref
     from fusedmoe.kernels.gemm_format import ActEpilogue, GemmCall, GemmFormat
     from fusedmoe.kernels.grouped_gemm_w4 import w4_gemm_launch
-    from fusedmoe.kernels.launch import intercept_launches
     from fusedmoe.kernels.launch_config import LaunchConfig
     from fusedmoe.quant import Operand, QuantScheme, quantize
     from fusedmoe.quant.w4_layout import to_w4
@@ -254,9 +265,8 @@ def compile_w4_case(case: W4Case) -> dict:
                "int4_g32_actorder": QuantScheme.int4_w4a16(32, act_order=True), "mxfp4": QuantScheme.mxfp4_w4a16(),
                "nvfp4": QuantScheme.nvfp4_w4a16()}  # fmt: skip
     dt = {"bf16": torch.bfloat16, "f16": torch.float16}
-    comp = _COMPILER.get("c") or _COMPILER.setdefault("c", _Compiler())
-    t0 = time.time()
-    try:
+
+    def launches() -> None:
         gen = torch.Generator().manual_seed(0)
         tq = schemes[case.scheme].w1
         e, t, k, h, i = 4, 64, 2, 256, 256
@@ -280,15 +290,10 @@ def compile_w4_case(case: W4Case) -> dict:
             c = torch.empty(t * k, n, dtype=dt[case.dtype])
             kw = dict(routing=moe_align_ref(ids, e, cfg.block_m), a_div=k if act is not None else 1,
                       route_weights=None if act is not None else tw.reshape(-1))  # fmt: skip
-        comp.found = {}
-        with intercept_launches(comp):
-            # split-K: the partials are the result (reduce=False), so the GEMM is the last launch compiled
-            w4_gemm_launch(Operand.of(a), w, c, fmt, cfg, GemmCall(act=act, **kw), reduce=cfg.split_k == 1)
-        res = {"ok": bool(comp.found), **comp.found}
-    except Exception as exc:
-        res = {"ok": False, "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"}
-    res["seconds"] = round(time.time() - t0, 2)
-    return res
+        # split-K: the partials are the result (reduce=False), so the GEMM is the last launch compiled
+        w4_gemm_launch(Operand.of(a), w, c, fmt, cfg, GemmCall(act=act, **kw), reduce=cfg.split_k == 1)
+
+    return _compiled(launches)
 
 
 def w4_problems(case: W4Case, res: dict) -> list[str]:
@@ -322,10 +327,72 @@ def problems(case: Case, res: dict) -> list[str]:
     return bad
 
 
+@dataclasses.dataclass
+class DecodeCase:
+    """A decode launch that the interpreter runs but cannot compile: pair blocks (no moe_align)
+    in the grouped GEMM and the 4-bit GEMM, and the one-program per-tensor activation scale.
+    It must compile for sm_90 without spilling."""
+
+    label: str
+    scheme: str
+    block_m: int = 1  # pair blocks: 1 (FMA path) or 16 (dot)
+    quant_rows: int = 0  # > 0: ``act_quant_launch`` of [rows, 768] instead of a GEMM
+
+
+DECODE_CASES = [
+    DecodeCase("act quant fp8 tensor, one program", "fp8_tensor", quant_rows=8),
+    DecodeCase("pair blocks bf16 fma", "bf16"),
+    DecodeCase("pair blocks bf16 dot", "bf16", 16),
+    DecodeCase("pair blocks fp8 block fma", "fp8_block"),
+    DecodeCase("pair blocks fp8 tensor dot", "fp8_tensor", 16),
+    DecodeCase("pair blocks int4 w4 fma", "int4_g128"),
+    DecodeCase("pair blocks mxfp4 w4 dot", "mxfp4", 16),
+]
+
+
+def compile_decode_case(case: DecodeCase) -> dict:
+    import torch
+
+    from fusedmoe.kernels.act_quant import act_quant_launch
+    from fusedmoe.kernels.align import pair_blocks
+    from fusedmoe.kernels.gemm_format import GemmCall, GemmFormat
+    from fusedmoe.kernels.grouped_gemm import grouped_gemm_launch
+    from fusedmoe.kernels.launch_config import LaunchConfig
+    from fusedmoe.quant import Operand, QTensor, QuantScheme, quantize
+    from fusedmoe.quant.w4_layout import to_w4
+
+    sch = QuantScheme.by_name(case.scheme)
+
+    def launches() -> None:
+        if case.quant_rows:
+            act_quant_launch(torch.randn(case.quant_rows, 768).to(torch.bfloat16), sch.a2)
+            return
+        e, n, k, bm = 8, 256, 512, case.block_m
+        w = torch.randn(e, n, k) * 0.05
+        wq = QTensor(w.to(torch.bfloat16), (e, n, k)) if sch.w1 is None else quantize(w, sch.w1)
+        wq = to_w4(wq, sch.w1) if sch.w1 is not None and sch.a1 is None else wq
+        x = torch.randn(1, k).to(torch.bfloat16)
+        a = QTensor(x, (1, k)) if sch.a1 is None else quantize(x.float(), sch.a1)
+        cfg = LaunchConfig(bm, 32 if bm == 1 else 64, 128 if bm == 1 else 64, 1, 4, 2)
+        routing = pair_blocks(torch.randint(0, e, (1, 4), dtype=torch.int64), bm)
+        call = GemmCall(routing, a_div=4, route_weights=torch.rand(4).to(torch.bfloat16))
+        c = torch.empty(4, n, dtype=torch.bfloat16)
+        grouped_gemm_launch(Operand(a, sch.a1), Operand(wq, sch.w1), c, GemmFormat.of(sch.w1, sch.a1, n, k), cfg, call)
+
+    return _compiled(launches)
+
+
+def decode_problems(case: DecodeCase, res: dict) -> list[str]:
+    if not res["ok"]:
+        return [res.get("error", "not compiled")]
+    return [f"{res['spill_bytes']} bytes spilled"] if res["spill_bytes"] != 0 else []
+
+
 def main(argv: list[str]) -> int:
     assert os.environ.get("TRITON_INTERPRET", "0") != "1", "unset TRITON_INTERPRET: this compiles for the GPU"
     out, failed = [], 0
     todo = [(c, compile_case, problems) for c in CASES] + [(c, compile_w4_case, w4_problems) for c in W4_CASES]
+    todo += [(c, compile_decode_case, decode_problems) for c in DECODE_CASES]
     for case, compile_, problems_ in todo:
         res = compile_(case)
         bad = problems_(case, res)

@@ -276,6 +276,32 @@ def test_moe_sum(t, k, h, with_map):
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
 
 
+@nan_cast_warning
+@needs_triton
+@pytest.mark.parametrize("path", ["one_program", "two_passes"])
+@pytest.mark.parametrize("name", ["fp8_tensor", "int8_tensor"])
+def test_per_tensor_dynamic_one_program_and_two_passes(name, path, monkeypatch):
+    # small tensors take one program (PASS 0), larger ones the amax pass and the quantize pass:
+    # both forced here on the same cases (several tiles, a NaN in the last rows, the activation,
+    # a row mask), each equal to the reference byte for byte
+    from fusedmoe.kernels import act_quant as module
+    from fusedmoe.kernels.launch import intercept_launches
+
+    monkeypatch.setattr(module, "_ONE_PROGRAM_MAX", 1 << 30 if path == "one_program" else 0)
+    passes = []
+
+    def record(kernel, grid, args, kwargs):
+        passes.append(kwargs["PASS"])
+        kernel[grid](*args, **kwargs)
+
+    with intercept_launches(record):
+        _run_quant(name, 37, 96)
+        _run_nan(name, 37, 96, 35, 70)
+        _run_act(Activation.SILU, False, name, m=19, i=128)
+        test_act_and_quantize_row_mask(name)
+    assert set(passes) == ({0} if path == "one_program" else {1, 2}), passes
+
+
 @needs_triton
 @pytest.mark.parametrize("a2", ["fp8_tensor", "int8_tensor", "fp8_token", "none"])
 def test_act_and_quantize_row_mask(a2):

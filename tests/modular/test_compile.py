@@ -127,6 +127,23 @@ def test_model_compiles_without_graph_break(mode, backend, op_calls):
             assert any(node.target in (op, op.default) for node in g.graph.nodes)
 
 
+def test_compile_after_launch_plans(op_calls):
+    """Eager calls that recorded and replayed launch plans, then torch.compile of the same model:
+    the traced forward skips the plans (their keys read addresses) and runs the op."""
+    torch._dynamo.reset()
+    model = TinyModel("triton").eval()
+    x = _inputs(5, seed=3)
+    with torch.no_grad():
+        ref = model(x)
+        for _ in range(2):  # the second call records the plans, the third replays them
+            torch.testing.assert_close(model(x), ref, rtol=0, atol=0)
+        assert model.moe.kernel._plans.plans, "no launch plan was recorded"
+        counter = CompileCounterWithBackend("aot_eager")
+        got = torch.compile(model, fullgraph=True, backend=counter)(x)
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    assert counter.frame_count == 1 and len(op_calls) == 1
+
+
 @pytest.mark.parametrize("scheme", ["int4_g128_actorder", "mxfp4"])
 def test_converted_4bit_weights_compile(scheme):
     """A layer whose 4-bit weights were converted at load (the w4 layout, with act-order's column

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from fusedmoe import FusedMoEError, fused_moe
 from fusedmoe.config import MoEConfig
@@ -117,6 +119,23 @@ def test_an_unaligned_input_is_another_key(monkeypatch):
     assert len(kernel._plans.plans) == 1 and len(kernel._plans._seen) == 2
 
 
+@pytest.mark.parametrize("t", [1, 6])
+def test_transformers_routing_kinds_replay(t, monkeypatch):
+    # transformers' routers give int64 ids and router weights in the model dtype: read as given
+    # by the kernels, so the call is planned (no conversion op) and equals the plain call
+    scheme = QuantScheme.unquantized()
+    kernel = _kernel(scheme)
+    problem = make_problem(CONFIG, scheme, t, seed=15)
+    for seed in range(4):
+        x, topk = _fresh(CONFIG, t, 60 + seed, "cpu")
+        hf = TopK(topk.ids.long(), topk.weights.to(torch.bfloat16))
+        out = kernel(x, hf, problem.weights)
+        assert torch.equal(out, _plain(kernel, x, hf, problem.weights, monkeypatch))
+        problem.x, problem.topk_ids, problem.topk_weights = x, hf.ids, hf.weights.float()
+        assert rel_error(out, problem.reference()) <= tolerance(scheme, CONFIG.dtype)
+    assert len(kernel._plans.plans) == 1 and not kernel._plans.refused, kernel._plans.refused
+
+
 def test_a_call_with_host_side_torch_work_is_refused_with_the_op():
     # the CPU backend computes with PyTorch ops: never replayed, and the reason names the op
     scheme = QuantScheme.unquantized()
@@ -183,6 +202,19 @@ def test_gpu_replay_equals_the_plain_call(scheme, t, monkeypatch):
     problem = make_problem(GPU_CONFIG, scheme, t, seed=12, device="cuda")
     kernel = _kernel(scheme, GPU_CONFIG)
     _check_replays(kernel, problem, t, "cuda", monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", GPU_SCHEMES)
+def test_gpu_replay_with_a_preallocated_workspace(scheme, monkeypatch):
+    # the bench's and CUDA graphs' way: buffers held by the kernel (fills of them are replayed)
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    scheme = QuantScheme.by_name(scheme)
+    problem = make_problem(GPU_CONFIG, scheme, 16, seed=14, device="cuda")
+    kernel = _kernel(scheme, GPU_CONFIG)
+    kernel.allocate(64, "cuda")
+    _check_replays(kernel, problem, 16, "cuda", monkeypatch)
 
 
 def test_generated_replay_calls_each_binary_with_the_recorded_arguments(monkeypatch):
@@ -258,3 +290,34 @@ def test_the_router_replays_its_fused_kernel(monkeypatch):
         assert torch.equal(got.ids.sort(dim=1).values, ref.ids.sort(dim=1).values)
     plans = _plans_of(router, create=False)
     assert plans is not None and len(plans.plans) == 1 and not plans.refused
+
+
+@triton.jit
+def _add_kernel(a_ptr, b_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    a = tl.load(a_ptr + offs, mask=mask)
+    b = tl.load(b_ptr + offs, mask=mask)
+    tl.store(out_ptr + offs, a + b, mask=mask)
+
+
+def test_a_fill_of_a_buffer_that_lives_on_is_replayed():
+    # a preallocated workspace zeroed by the call (as GEMM1's output before a per-tensor dynamic
+    # scale): each replay zeroes it again, so a value left there by someone else never shows
+    from fusedmoe.kernels.launch import launch
+    from fusedmoe.modular.replay import LaunchPlans
+
+    plans, ws = LaunchPlans(), torch.full((8,), 5.0)
+
+    def call(x):
+        ws.zero_()
+        out = torch.empty_like(x)
+        launch(_add_kernel, (1,), x, ws, out, x.numel(), BLOCK=8)
+        return out
+
+    for seed in range(4):
+        x = torch.randn(8, generator=torch.Generator().manual_seed(seed))
+        ws.fill_(5.0)  # what another user of the workspace left there
+        out = plans.call(("key",), lambda x=x: call(x), (x,))
+        assert torch.equal(out, x), f"call {seed}: the workspace was not zeroed"
+    assert len(plans.plans) == 1 and not plans.refused

@@ -9,7 +9,9 @@ plain ``/`` is approximate on NVIDIA GPUs: 30% of 1M random fp32 quotients came 
 
 Per-tensor dynamic scales take two launches over the same grid (CUDA-graph safe:
 a memset, two kernels, no host sync): PASS 1 folds each tile's amax into one fp32
-with ``atomic_max``, PASS 2 reads it and quantizes.
+with ``atomic_max``, PASS 2 reads it and quantizes. A tensor that one tile holds (decode: x
+and a2 at T = 1) takes one program instead (PASS 0, ``_tensor_dyn_one``): one load of the
+tile, its amax, its codes, in one launch without the memset; same scale, same codes.
 
 NaN policy (``fusedmoe.quant``'s): a NaN makes the fp8/int8 scale it shares NaN (only an
 all-zero amax gives 1) and the nvfp4 block scale NaN, so what shares that scale dequantizes
@@ -90,6 +92,29 @@ def _scale_of(amax, QUANT: tl.constexpr):
 
 
 @triton.jit
+def _tensor_dyn_one(
+    x_ptr, q_ptr, s_ptr, rmask_ptr, M, I, stride_xm, stride_qm, alpha, limit,
+    ACT: tl.constexpr, INTERLEAVED: tl.constexpr, QUANT: tl.constexpr, ROW_MASK: tl.constexpr,
+    EXACT_CAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """PASS 0: one program quantizes all of [M, I] (M <= BLOCK_M, I <= BLOCK_K: one tile) with its
+    per-tensor dynamic scale: the tile's amax (integer max of ``_abs_bits``, as PASS 1), then
+    its codes (as PASS 2), from one load."""
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_K)
+    row_ok = rows < M
+    if ROW_MASK:
+        row_ok = row_ok & (tl.load(rmask_ptr + rows, mask=row_ok, other=0) != 0)
+    mask = row_ok[:, None] & (cols < I)[None, :]
+    v = _activation(x_ptr, rows, cols, mask, stride_xm, I, alpha, limit, ACT, INTERLEAVED)
+    amax = tl.max(tl.max(tl.where(mask, _abs_bits(v), 0), axis=1), axis=0)
+    s = _scale_of(amax.to(tl.float32, bitcast=True), QUANT)
+    tl.store(s_ptr, s)
+    q_row = q_ptr + rows[:, None].to(tl.int64) * stride_qm
+    tl.store(q_row + cols[None, :], _quant_linear(v, s, QUANT, EXACT_CAST), mask=mask)
+
+
+@triton.jit
 def _act_quant_kernel(
     x_ptr,  # [M, I] input (or [M, 2I] gate/up)
     q_ptr,  # [M, I] output: model dtype, fp8 bytes, int8; nvfp4 packed [M, I/2]
@@ -110,90 +135,96 @@ def _act_quant_kernel(
     SCALE: tl.constexpr,  # "none" | "tensor_static" | "tensor_dyn" | "token" | "group"
     GROUP: tl.constexpr,
     ROW_MASK: tl.constexpr,
-    PASS: tl.constexpr,
+    PASS: tl.constexpr,  # tensor_dyn: 1 amax, 2 quantize; 0 both in one program (grid (1, 1))
     EXACT_CAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    # 105 lines: one Triton kernel; each format is a constexpr branch the compiler specialises away, the per-format
+    # 109 lines: one Triton kernel; each format is a constexpr branch the compiler specialises away, the per-format
     # math is in @triton.jit helpers.
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < M
-    if ROW_MASK:
-        row_ok = row_ok & (tl.load(rmask_ptr + rows, mask=row_ok, other=0) != 0)
-    q_row = q_ptr + rows[:, None].to(tl.int64) * stride_qm
-    s_row = s_ptr + rows.to(tl.int64) * stride_sm
+    if PASS == 0:
+        _tensor_dyn_one(
+            x_ptr, q_ptr, s_ptr, rmask_ptr, M, I, stride_xm, stride_qm, alpha, limit,
+            ACT, INTERLEAVED, QUANT, ROW_MASK, EXACT_CAST, BLOCK_M, BLOCK_K,
+        )  # fmt: skip
+    else:  # (a static if: what follows a return in its branch would still be compiled)
+        pid_m = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < M
+        if ROW_MASK:
+            row_ok = row_ok & (tl.load(rmask_ptr + rows, mask=row_ok, other=0) != 0)
+        q_row = q_ptr + rows[:, None].to(tl.int64) * stride_qm
+        s_row = s_ptr + rows.to(tl.int64) * stride_sm
 
-    if SCALE == "token":
-        amax = tl.zeros([BLOCK_M], dtype=tl.int32)  # _abs_bits
-        for k0 in range(0, I, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            mask = row_ok[:, None] & (cols < I)[None, :]
-            v = _activation(x_ptr, rows, cols, mask, stride_xm, I, alpha, limit, ACT, INTERLEAVED)
-            amax = tl.maximum(amax, tl.max(tl.where(mask, _abs_bits(v), 0), axis=1))
-        s = _scale_of(amax.to(tl.float32, bitcast=True), QUANT)
-        tl.store(s_row, s, mask=row_ok)
-        for k0 in range(0, I, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            mask = row_ok[:, None] & (cols < I)[None, :]
-            v = _activation(x_ptr, rows, cols, mask, stride_xm, I, alpha, limit, ACT, INTERLEAVED)
-            tl.store(q_row + cols[None, :], _quant_linear(v, s[:, None], QUANT, EXACT_CAST), mask=mask)
-    else:
-        cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-        mask = row_ok[:, None] & (cols < I)[None, :]
-        v = _activation(x_ptr, rows, cols, mask, stride_xm, I, alpha, limit, ACT, INTERLEAVED)
-        if QUANT == "none":
-            _store_float(q_row + cols[None, :], v, mask, EXACT_CAST)
-        elif SCALE == "tensor_dyn" and PASS == 1:
-            # max is order-independent, so the atomic leaves a deterministic result; an integer
-            # one, of _abs_bits, so that a NaN is kept
-            tile = tl.max(tl.max(tl.where(mask, _abs_bits(v), 0), axis=1), axis=0)
-            tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), tile)
-        elif SCALE == "tensor_dyn" or SCALE == "tensor_static":
-            if SCALE == "tensor_static":
-                s = tl.load(s_ptr)
-            else:
-                s = _scale_of(tl.load(amax_ptr), QUANT)
-                if (pid_m == 0) & (pid_k == 0):
-                    tl.store(s_ptr, s)
-            tl.store(q_row + cols[None, :], _quant_linear(v, s, QUANT, EXACT_CAST), mask=mask)
+        if SCALE == "token":
+            amax = tl.zeros([BLOCK_M], dtype=tl.int32)  # _abs_bits
+            for k0 in range(0, I, BLOCK_K):
+                cols = k0 + tl.arange(0, BLOCK_K)
+                mask = row_ok[:, None] & (cols < I)[None, :]
+                v = _activation(x_ptr, rows, cols, mask, stride_xm, I, alpha, limit, ACT, INTERLEAVED)
+                amax = tl.maximum(amax, tl.max(tl.where(mask, _abs_bits(v), 0), axis=1))
+            s = _scale_of(amax.to(tl.float32, bitcast=True), QUANT)
+            tl.store(s_row, s, mask=row_ok)
+            for k0 in range(0, I, BLOCK_K):
+                cols = k0 + tl.arange(0, BLOCK_K)
+                mask = row_ok[:, None] & (cols < I)[None, :]
+                v = _activation(x_ptr, rows, cols, mask, stride_xm, I, alpha, limit, ACT, INTERLEAVED)
+                tl.store(q_row + cols[None, :], _quant_linear(v, s[:, None], QUANT, EXACT_CAST), mask=mask)
         else:
-            # 1 x GROUP groups; BLOCK_K is a multiple of GROUP, so a tile holds whole groups.
-            NG: tl.constexpr = BLOCK_K // GROUP
-            v3 = tl.reshape(tl.where(mask, v, 0.0), [BLOCK_M, NG, GROUP])
-            amax = tl.max(_abs_bits(v3), axis=2).to(tl.float32, bitcast=True)
-            gcols = pid_k * NG + tl.arange(0, NG)
-            s_mask = row_ok[:, None] & (gcols < tl.cdiv(I, GROUP))[None, :]
-            s_ptrs = s_row[:, None] + gcols[None, :]
-            if QUANT == "fp8" or QUANT == "int8":
-                s = _scale_of(amax, QUANT)
-                tl.store(s_ptrs, s, mask=s_mask)
-                q = tl.reshape(_quant_linear(v3, s[:, :, None], QUANT, EXACT_CAST), [BLOCK_M, BLOCK_K])
-                tl.store(q_row + cols[None, :], q, mask=mask)
-            elif QUANT == "mxfp8":
-                # e8m0 code of 2^(floor(log2 amax) - 8); floor(log2) is amax's exponent field
-                # (a subnormal amax clamps to code 0, as frexp's exponent would); 0 and NaN -> 127.
-                e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127 - 8
-                code = tl.where(amax > 0, tl.minimum(tl.maximum(e, -127), 127) + 127, 127)
-                tl.store(s_ptrs, code.to(tl.uint8), mask=s_mask)
-                inv = ((254 - code) << 23).to(tl.float32, bitcast=True)  # 2^(127 - code), exact
-                y = tl.maximum(v3 * inv[:, :, None], -FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
-                y = tl.minimum(y, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)  # NaN stays NaN
-                q = tl.reshape(_e4m3_bits(y, EXACT_CAST), [BLOCK_M, BLOCK_K])
-                tl.store(q_row + cols[None, :], q, mask=mask)
-            else:  # nvfp4: e4m3 block scale over a given fp32 global scale, e2m1 codes
-                gs = tl.load(gs_ptr)
-                sb = tl.math.div_rn(amax, tl.zeros_like(amax) + 6.0 * gs)
-                # a NaN block scale stays NaN (torch's clamp), and its block's codes are 0
-                sb_bits = _e4m3_bits(tl.minimum(sb, 448.0, propagate_nan=tl.PropagateNan.ALL), EXACT_CAST)
-                tl.store(s_ptrs, sb_bits, mask=s_mask)
-                d = sb_bits.to(tl.float8e4nv, bitcast=True).to(tl.float32) * gs
-                d3 = tl.zeros_like(v3) + d[:, :, None]
-                y = tl.where(d3 > 0, tl.math.div_rn(v3, tl.where(d3 > 0, d3, 1.0)), 0.0)
-                code = tl.reshape(_e2m1_code(y), [BLOCK_M, BLOCK_K // 2, 2])
-                lo, hi = tl.split(code)
-                pcols = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
-                p_mask = row_ok[:, None] & (pcols < I // 2)[None, :]
-                tl.store(q_row + pcols[None, :], (lo | (hi << 4)).to(tl.uint8), mask=p_mask)
+            cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+            mask = row_ok[:, None] & (cols < I)[None, :]
+            v = _activation(x_ptr, rows, cols, mask, stride_xm, I, alpha, limit, ACT, INTERLEAVED)
+            if QUANT == "none":
+                _store_float(q_row + cols[None, :], v, mask, EXACT_CAST)
+            elif SCALE == "tensor_dyn" and PASS == 1:
+                # max is order-independent, so the atomic leaves a deterministic result; an integer
+                # one, of _abs_bits, so that a NaN is kept
+                tile = tl.max(tl.max(tl.where(mask, _abs_bits(v), 0), axis=1), axis=0)
+                tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), tile)
+            elif SCALE == "tensor_dyn" or SCALE == "tensor_static":
+                if SCALE == "tensor_static":
+                    s = tl.load(s_ptr)
+                else:
+                    s = _scale_of(tl.load(amax_ptr), QUANT)
+                    if (pid_m == 0) & (pid_k == 0):
+                        tl.store(s_ptr, s)
+                tl.store(q_row + cols[None, :], _quant_linear(v, s, QUANT, EXACT_CAST), mask=mask)
+            else:
+                # 1 x GROUP groups; BLOCK_K is a multiple of GROUP, so a tile holds whole groups.
+                NG: tl.constexpr = BLOCK_K // GROUP
+                v3 = tl.reshape(tl.where(mask, v, 0.0), [BLOCK_M, NG, GROUP])
+                amax = tl.max(_abs_bits(v3), axis=2).to(tl.float32, bitcast=True)
+                gcols = pid_k * NG + tl.arange(0, NG)
+                s_mask = row_ok[:, None] & (gcols < tl.cdiv(I, GROUP))[None, :]
+                s_ptrs = s_row[:, None] + gcols[None, :]
+                if QUANT == "fp8" or QUANT == "int8":
+                    s = _scale_of(amax, QUANT)
+                    tl.store(s_ptrs, s, mask=s_mask)
+                    q = tl.reshape(_quant_linear(v3, s[:, :, None], QUANT, EXACT_CAST), [BLOCK_M, BLOCK_K])
+                    tl.store(q_row + cols[None, :], q, mask=mask)
+                elif QUANT == "mxfp8":
+                    # e8m0 code of 2^(floor(log2 amax) - 8); floor(log2) is amax's exponent field
+                    # (a subnormal amax clamps to code 0, as frexp's exponent would); 0 and NaN -> 127.
+                    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127 - 8
+                    code = tl.where(amax > 0, tl.minimum(tl.maximum(e, -127), 127) + 127, 127)
+                    tl.store(s_ptrs, code.to(tl.uint8), mask=s_mask)
+                    inv = ((254 - code) << 23).to(tl.float32, bitcast=True)  # 2^(127 - code), exact
+                    y = tl.maximum(v3 * inv[:, :, None], -FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+                    y = tl.minimum(y, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)  # NaN stays NaN
+                    q = tl.reshape(_e4m3_bits(y, EXACT_CAST), [BLOCK_M, BLOCK_K])
+                    tl.store(q_row + cols[None, :], q, mask=mask)
+                else:  # nvfp4: e4m3 block scale over a given fp32 global scale, e2m1 codes
+                    gs = tl.load(gs_ptr)
+                    sb = tl.math.div_rn(amax, tl.zeros_like(amax) + 6.0 * gs)
+                    # a NaN block scale stays NaN (torch's clamp), and its block's codes are 0
+                    sb_bits = _e4m3_bits(tl.minimum(sb, 448.0, propagate_nan=tl.PropagateNan.ALL), EXACT_CAST)
+                    tl.store(s_ptrs, sb_bits, mask=s_mask)
+                    d = sb_bits.to(tl.float8e4nv, bitcast=True).to(tl.float32) * gs
+                    d3 = tl.zeros_like(v3) + d[:, :, None]
+                    y = tl.where(d3 > 0, tl.math.div_rn(v3, tl.where(d3 > 0, d3, 1.0)), 0.0)
+                    code = tl.reshape(_e2m1_code(y), [BLOCK_M, BLOCK_K // 2, 2])
+                    lo, hi = tl.split(code)
+                    pcols = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+                    p_mask = row_ok[:, None] & (pcols < I // 2)[None, :]
+                    tl.store(q_row + pcols[None, :], (lo | (hi << 4)).to(tl.uint8), mask=p_mask)

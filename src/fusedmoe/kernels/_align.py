@@ -27,13 +27,15 @@ import triton.language as tl
 
 @triton.jit
 def _local_expert(topk_ids_ptr, expert_map_ptr, offs, num_pairs, E_G, E_L, HAS_MAP: tl.constexpr, BINS: tl.constexpr):
-    """Local expert of each flat pair index in ``offs``; BINS - 1 for a non-local pair or past the end."""
+    """Local expert of each flat pair index in ``offs`` (int32); BINS - 1 for a non-local pair or
+    past the end. The ids may be int32 or int64: the range checks run in their own width, so an
+    int64 id of 2^32 + 1 is out of range, not expert 1."""
     ok = offs < num_pairs
     e = tl.load(topk_ids_ptr + offs, mask=ok, other=-1)
     if HAS_MAP:
         in_range = ok & (e >= 0) & (e < E_G)
         e = tl.load(expert_map_ptr + e, mask=in_range, other=-1)
-    return tl.where((e >= 0) & (e < E_L), e, BINS - 1)
+    return tl.where((e >= 0) & (e < E_L), e, BINS - 1).to(tl.int32)
 
 
 @triton.jit

@@ -4,7 +4,8 @@ One program computes a BM x BN tile of C = A_rows @ W[e]^T for one expert e:
 
     standard layout: the tile's rows are the BM slots of one aligned block;
                      expert e = block_expert[b] (-1: nothing to do), A row =
-                     sorted_id // a_div, C row = sorted_id (padding slots: none)
+                     sorted_id // a_div, C row = sorted_id (padding slots: none);
+                     with PAIR_BLOCKS block b is pair b alone (no sorted_ids)
     batched layout:  rows m0..m0+BM of expert e's [M_max, K] slab, up to counts[e]
 
 Operands meet in one of three ways (constexprs ``NATIVE`` and ``FMA``):
@@ -367,7 +368,8 @@ def _act_epilogue(
     else:
         acc = apply_act(acc, acc, alpha, limit, ACT)
     if MUL_ROUTED_WEIGHT:
-        acc *= tl.load(route_w_ptr + e * stride_re + rw_rows * stride_rm, mask=row_ok, other=0)[:, None]
+        rw = tl.load(route_w_ptr + e * stride_re + rw_rows * stride_rm, mask=row_ok, other=0)
+        acc *= rw.to(tl.float32)[:, None]  # fp32, bf16 or fp16 router weights (as the router gave them)
     return acc
 
 
@@ -396,6 +398,7 @@ def _grouped_gemm_kernel(
     m_max,
     blocks_per_expert,
     num_m_blocks,
+    num_experts,  # E_l: PAIR_BLOCKS skips a block whose id is outside [0, E_l)
     alpha,
     limit,
     stride_ae,
@@ -421,6 +424,7 @@ def _grouped_gemm_kernel(
     stride_cm,
     stride_cn,
     BATCHED: tl.constexpr,
+    PAIR_BLOCKS: tl.constexpr,  # standard layout: block b is pair b alone (AlignedRouting.pair_blocks)
     A_FMT: tl.constexpr,  # "float" | "fp8" | "int8" | "mxfp8" | "nvfp4"
     A_GROUP: tl.constexpr,  # 0: one scale per row (tensor/token), else 1 x A_GROUP groups
     W_FMT: tl.constexpr,  # "float" | "fp8" | "int8" | "int4" | "mxfp4" | "nvfp4"
@@ -465,6 +469,14 @@ def _grouped_gemm_kernel(
         row_ok = offs_m < count
         a_rows = offs_m.to(tl.int64)
         c_rows = a_rows
+    elif PAIR_BLOCKS:
+        e = tl.load(block_expert_ptr + pid_m)  # the pair's own expert id, unchecked
+        if (e < 0) | (e >= num_experts):
+            return
+        ids = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_pairs)
+        row_ok = ids < num_pairs
+        a_rows = (ids // a_div).to(tl.int64)
+        c_rows = ids.to(tl.int64)
     else:
         e = tl.load(block_expert_ptr + pid_m)
         if e < 0:

@@ -70,11 +70,13 @@ def _w4_tile_ids(pid, num_m_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.conste
 
 @triton.jit
 def _w4_rows(
-    pid_m, sorted_ids_ptr, block_expert_ptr, counts_ptr, num_pairs, a_div, m_max, blocks_per_expert,
-    BATCHED: tl.constexpr, BLOCK_M: tl.constexpr, A_SLOT: tl.constexpr = False,
+    pid_m, sorted_ids_ptr, block_expert_ptr, counts_ptr, num_pairs, a_div, m_max, blocks_per_expert, num_experts,
+    BATCHED: tl.constexpr, PAIR_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr, A_SLOT: tl.constexpr = False,
 ):  # fmt: skip
     """(expert, idle, row_ok, A rows, C rows) of row block ``pid_m``; ``idle``: nothing to do.
-    A_SLOT (standard layout): A has a row per aligned slot (``_w4_permute_a_kernel``'s output)."""
+    A_SLOT (standard layout): A has a row per aligned slot (``_w4_permute_a_kernel``'s output).
+    PAIR_BLOCKS (standard layout): block b is pair b alone, its expert id unchecked
+    (``AlignedRouting.pair_blocks``): ids outside [0, num_experts) are idle."""
     if BATCHED:
         e = pid_m // blocks_per_expert
         m0 = (pid_m % blocks_per_expert) * BLOCK_M
@@ -86,13 +88,18 @@ def _w4_rows(
     else:
         e = tl.load(block_expert_ptr + pid_m)
         slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        ids = tl.load(sorted_ids_ptr + slots)
+        if PAIR_BLOCKS:
+            ids = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_pairs)
+            idle = (e < 0) | (e >= num_experts)
+        else:
+            ids = tl.load(sorted_ids_ptr + slots)
+            idle = e < 0
         row_ok = ids < num_pairs
         if A_SLOT:
             a_rows = slots.to(tl.int64)
         else:
             a_rows = (ids // a_div).to(tl.int64)
-        return e.to(tl.int64), e < 0, row_ok, a_rows, ids.to(tl.int64)
+        return e.to(tl.int64), idle, row_ok, a_rows, ids.to(tl.int64)
 
 
 @triton.jit
@@ -408,7 +415,7 @@ def _w4_finish(
     else:
         acc = apply_act(acc, acc, alpha, limit, ACT)
     if MUL_ROUTED_WEIGHT:
-        acc *= tl.load(rw_ptrs, mask=row_ok, other=0)[:, None]
+        acc *= tl.load(rw_ptrs, mask=row_ok, other=0).to(tl.float32)[:, None]
     if OUT_QUANT == "none":
         tl.store(c_ptrs, acc.to(c_ptrs.dtype.element_ty), mask=c_mask)
     else:
@@ -424,7 +431,7 @@ def _w4_gemm_kernel(
     KD,  # K of A (logical)
     KP,  # K of W's storage: KD rounded up to PK
     K_SPLIT,  # K columns per split (a multiple of BLOCK_K)
-    num_pairs, a_div, m_max, blocks_per_expert, num_m_blocks, alpha, limit,
+    num_pairs, a_div, m_max, blocks_per_expert, num_experts, num_m_blocks, alpha, limit,
     stride_ae, stride_am, stride_ak,
     stride_we, stride_wn, stride_wk,
     stride_wse, stride_wsn, stride_wsk,
@@ -433,6 +440,7 @@ def _w4_gemm_kernel(
     stride_re, stride_rm,
     stride_cs, stride_ce, stride_cm, stride_cn,
     BATCHED: tl.constexpr,
+    PAIR_BLOCKS: tl.constexpr,  # standard layout: block b is pair b alone (AlignedRouting.pair_blocks)
     W_FMT: tl.constexpr,  # "int4" | "mxfp4" | "nvfp4"
     GROUP: tl.constexpr,  # K columns per scale
     PK: tl.constexpr,  # the layout's pack block
@@ -463,8 +471,8 @@ def _w4_gemm_kernel(
     pid_m, pid_n = _w4_tile_ids(tl.program_id(0), num_m_blocks, N, BLOCK_N, GROUP_M)
     pid_k = tl.program_id(1)
     e, idle, row_ok, a_rows, c_rows = _w4_rows(
-        pid_m, sorted_ids_ptr, block_expert_ptr, counts_ptr, num_pairs, a_div, m_max, blocks_per_expert,
-        BATCHED, BLOCK_M, A_SLOT,
+        pid_m, sorted_ids_ptr, block_expert_ptr, counts_ptr, num_pairs, a_div, m_max, blocks_per_expert, num_experts,
+        BATCHED, PAIR_BLOCKS, BLOCK_M, A_SLOT,
     )  # fmt: skip
     if idle:
         return
@@ -575,12 +583,13 @@ def _w4_gemm_kernel(
 @triton.jit
 def _w4_reduce_kernel(
     p_ptr, c_ptr, c_scale_ptr, route_w_ptr, sorted_ids_ptr, block_expert_ptr, counts_ptr,
-    N, num_pairs, m_max, blocks_per_expert, alpha, limit,
+    N, num_pairs, m_max, blocks_per_expert, num_experts, alpha, limit,
     stride_ps, stride_pe, stride_pm, stride_pn,
     stride_re, stride_rm,
     stride_ce, stride_cm, stride_cn,
     SPLIT_K: tl.constexpr,
     BATCHED: tl.constexpr,
+    PAIR_BLOCKS: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
     ACT: tl.constexpr,
     GATED: tl.constexpr,  # ACT takes a gate and an up row (Activation.is_gated)
@@ -593,7 +602,7 @@ def _w4_reduce_kernel(
     """C = finish(sum over s of P[s]) for the rows the GEMM wrote (same row blocks), s in order."""
     e, idle, row_ok, _, c_rows = _w4_rows(
         tl.program_id(0), sorted_ids_ptr, block_expert_ptr, counts_ptr, num_pairs, 1, m_max, blocks_per_expert,
-        BATCHED, BLOCK_M,
+        num_experts, BATCHED, PAIR_BLOCKS, BLOCK_M,
     )  # fmt: skip
     if idle:
         return
@@ -617,9 +626,9 @@ def _w4_reduce_kernel(
 @triton.jit
 def _w4_permute_a_kernel(
     a_ptr, perm_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, counts_ptr,
-    KD, KP, num_pairs, a_div, m_max, blocks_per_expert,
+    KD, KP, num_pairs, a_div, m_max, blocks_per_expert, num_experts,
     stride_ae, stride_am, stride_ak, stride_pe, stride_pk, stride_oe, stride_om,
-    BATCHED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    BATCHED: tl.constexpr, PAIR_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """Act-order A for the tensor-core path: out[row, j] = A[row's A row, perm[e, j]], the columns
     of the row's expert in its sorted (group-contiguous) order, zeros past K. Standard layout:
@@ -628,7 +637,7 @@ def _w4_permute_a_kernel(
     H100: 4.10 ms against 0.63 ms without act-order; scalar loads that the pipeliner skips)."""
     e, idle, row_ok, a_rows, _ = _w4_rows(
         tl.program_id(0), sorted_ids_ptr, block_expert_ptr, counts_ptr, num_pairs, a_div, m_max, blocks_per_expert,
-        BATCHED, BLOCK_M,
+        num_experts, BATCHED, PAIR_BLOCKS, BLOCK_M,
     )  # fmt: skip
     if idle:
         return

@@ -24,11 +24,27 @@ from ..config import Activation, MoEConfig
 from ..errors import expect
 from ..quant import QDtype, QTensor, TensorQuant, quantize
 from ._act_quant import _act_quant_kernel
-from ._common import cdiv, interpreting
+from ._common import cdiv, interpreting, next_power_of_2
 from .launch import launch
 
 _QUANT = {QDtype.FP8: "fp8", QDtype.INT8: "int8", QDtype.MXFP8: "mxfp8", QDtype.NVFP4: "nvfp4"}
 _NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# Per-tensor dynamic scales of a tensor that one tile of at most this many values holds take one
+# program and one launch (PASS 0) instead of a memset and two launches over a grid. One tile, so
+# that nothing loops: with [8, 512] tiles looping (x [1, 7168] took 14 serial loads a
+# sweep, ~1.3 us each) the fp8 per-tensor layer at T = 1 measured slower on an H100
+# (2026-11-28: Qwen3-30B-A3B 56.6 -> 65.5 us, Mixtral 176.6 -> 205.2, DeepSeek-V3 179.2 ->
+# 227.5, CUDA graphs). At T = 1: Qwen3-30B-A3B's x [1, 2048] and a2 [8, 768] (tile [8, 1024]),
+# Mixtral's x [1, 4096], DeepSeek-V3's x [1, 7168] (tile [1, 8192]).
+_ONE_PROGRAM_MAX = 8192
+
+
+def _one_program_tile(m: int, cols: int) -> tuple[int, int] | None:
+    """(BM, BK) of the one tile that holds [m, cols], or None when it exceeds ``_ONE_PROGRAM_MAX``."""
+    bm, bk = next_power_of_2(m), next_power_of_2(cols)
+    return (bm, bk) if bm * bk <= _ONE_PROGRAM_MAX else None
 
 
 def _tiles(scale_kind: str, group: int, m: int) -> tuple[int, int]:
@@ -79,7 +95,8 @@ def act_quant_launch(
     out: QTensor | torch.Tensor | None = None,
     row_mask: torch.Tensor | None = None,
 ) -> QTensor | torch.Tensor:
-    """Launch ``_act_quant_kernel`` (twice for per-tensor dynamic scales).
+    """Launch ``_act_quant_kernel`` (twice for per-tensor dynamic scales, or once, one program,
+    where one tile holds the tensor: ``_one_program_tile``).
 
     ``activation`` is an ``Activation`` value or "none" (plain quantization of ``x``).
     ``out``: buffers to write (what this function returns; allocated when None).
@@ -128,9 +145,11 @@ def act_quant_launch(
     if (m == 0 or cols == 0) and kind == "tensor_dyn":
         s_out.fill_(1.0)  # the amax of nothing is 0, whose scale is 1 (quant.linear)
     if m > 0 and cols > 0:
-        bm, bk = _tiles(kind, group, m)
-        grid = (cdiv(m, bm), 1 if kind == "token" else cdiv(cols, bk))
-        amax = torch.zeros(1, dtype=torch.float32, device=dev) if kind == "tensor_dyn" else data
+        tile = _one_program_tile(m, cols) if kind == "tensor_dyn" else None
+        one = tile is not None
+        bm, bk = tile if one else _tiles(kind, group, m)
+        grid = (1, 1) if one else (cdiv(m, bm), 1 if kind == "token" else cdiv(cols, bk))
+        amax = torch.zeros(1, dtype=torch.float32, device=dev) if kind == "tensor_dyn" and not one else data
         s_arg = data if s_out is None else s_out.view(torch.uint8) if s_out.dtype == torch.float8_e4m3fn else s_out
         q_arg = data.view(torch.uint8) if data.dtype == torch.float8_e4m3fn else data
         args = (
@@ -158,11 +177,14 @@ def act_quant_launch(
             EXACT_CAST=interpreting(),
             BLOCK_M=bm,
             BLOCK_K=bk,
-            num_warps=4,
+            num_warps=8 if bm * bk > 4096 else 4,  # a one-program tile: <= 32 values a thread
         )
-        if kind == "tensor_dyn":
-            launch(_act_quant_kernel, grid, *args, PASS=1, **meta)
-        launch(_act_quant_kernel, grid, *args, PASS=2, **meta)
+        if one:
+            launch(_act_quant_kernel, grid, *args, PASS=0, **meta)
+        else:
+            if kind == "tensor_dyn":
+                launch(_act_quant_kernel, grid, *args, PASS=1, **meta)
+            launch(_act_quant_kernel, grid, *args, PASS=2, **meta)
     if quant == "none":
         return data
     return QTensor(

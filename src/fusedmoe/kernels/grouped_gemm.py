@@ -68,6 +68,8 @@ from .grouped_gemm_w4 import w4_gemm_launch
 from .launch import launch
 from .launch_config import LaunchConfig, fit_launch_config, gated_act_config, pick_launch_config
 
+_ROUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # router weights the kernels read as given
+
 
 def grouped_gemm_launch(
     a: Operand, w: Operand, c: torch.Tensor, fmt: GemmFormat, cfg: LaunchConfig, call: GemmCall
@@ -85,7 +87,8 @@ def grouped_gemm_launch(
         w4_gemm_launch(a, w, c, fmt, cfg, call)
         return
     routing, counts, a_div, bias, route_weights, act, act_scale = call.unpacked()
-    if cfg.persistent:
+    pair_blocks = routing is not None and routing.pair_blocks
+    if cfg.persistent and not pair_blocks:  # the persistent kernel walks aligned blocks only
         pk = _persistent
         served = pk.supports(fmt, act, a=a.data, w=w.q, c=c, cfg=cfg, routing=routing) is None
         if served or any(pk.sorted_layout(a.data, c, routing)):  # slot-ordered rows: only it reads them
@@ -139,6 +142,7 @@ def grouped_gemm_launch(
         rows.m_max,
         rows.blocks_per_expert,
         rows.num_m_blocks,
+        e_l,
         1.702 if act is None else act.swiglu_alpha,
         7.0 if act is None else act.swiglu_limit,
         *rows.strides(a),
@@ -155,6 +159,7 @@ def grouped_gemm_launch(
         HAS_A_GSCALE=ag is not None,
         HAS_W_GSCALE=wg is not None,
         DOT_DTYPE=dot_dtype,
+        PAIR_BLOCKS=pair_blocks,
         **shared_constexprs(fmt, cfg, act, batched, bias, route_weights, out_quant),
     )
 
@@ -257,7 +262,10 @@ def grouped_gemm(
         expect(out.dtype == out_dtype, "out", f"{out_dtype} codes for {act.quant.short}", out.dtype)
     if topk_weights is not None:
         expect(topk_weights.numel() == num_pairs, "topk_weights", f"{num_pairs} weights", tuple(topk_weights.shape))
-        topk_weights = topk_weights.reshape(-1).float().contiguous()
+        # the kernels read fp32, bf16 or fp16 weights as they are: no conversion launch per call
+        topk_weights = topk_weights.reshape(-1)
+        topk_weights = topk_weights if topk_weights.dtype in _ROUTE_DTYPES else topk_weights.float()
+        topk_weights = topk_weights.contiguous()
     if not _use_kernel(a.data):
 
         def ref_fn(ep):
@@ -362,16 +370,17 @@ def grouped_gemm_ref(
     n = w.shape[1]
     n_out = n if act is None else act.out_cols(n)
     ad = _values(a, dtype)
-    wd = _values(w, dtype)
     out = torch.full((routing.num_pairs, n_out), float("nan"), dtype=dtype, device=a.data.device)
-    slots = routing.sorted_ids.long()
+    slots = routing.slot_ids().long()
     expert = routing.block_expert.long().repeat_interleave(routing.block_m)
-    real = (slots < routing.num_pairs) & (expert >= 0)
+    real = (slots < routing.num_pairs) & (expert >= 0) & (expert < w.shape[0])
     rows, ex = slots[real], expert[real]
     for e in torch.unique(ex).tolist():
         r = rows[ex == e]
         weights = None if topk_weights is None else topk_weights.reshape(-1)[r]
-        out[r] = _epilogue_ref(ad[r // a_div] @ wd[e].T, None if bias is None else bias[e], weights, act, dtype)
+        # one expert's weights at a time: all of DeepSeek-V3's W13 in float64 is 60 GB
+        wd = _values(Operand(w.q.select(e), w.quant), dtype)[0]
+        out[r] = _epilogue_ref(ad[r // a_div] @ wd.T, None if bias is None else bias[e], weights, act, dtype)
     return _quantize_ref(out, act, act_scale)
 
 

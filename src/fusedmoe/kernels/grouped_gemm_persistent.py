@@ -84,7 +84,7 @@ class GroupQuantEpilogue(ActEpilogue):
 
 def sorted_layout(a: torch.Tensor, c: torch.Tensor, routing: AlignedRouting | None) -> tuple[bool, bool]:
     """(A_SORTED, C_SORTED): whether ``a`` / ``c`` hold one row per slot (module docstring)."""
-    if routing is None:
+    if routing is None or routing.pair_blocks:
         return False, False
     slots = routing.sorted_ids.numel()
     return a.shape[0] == slots, c.shape[0] == slots
@@ -118,6 +118,8 @@ def supports(
     routing: AlignedRouting | None = None,
 ) -> str | None:
     """Why the persistent kernel cannot serve this call, or None. Checks what it is given."""
+    if routing is not None and routing.pair_blocks:
+        return "pair blocks (decode without moe_align): the persistent kernel walks aligned blocks"
     if fmt.w_fmt not in ("float", "fp8", "int8"):
         return f"{fmt.w_fmt} weights: the 4-bit formats have their own kernels"
     if fmt.a_fmt not in ("float", "fp8", "int8"):

@@ -218,7 +218,7 @@ def w4_gemm_launch(
         *rows.a_strides, *w.bytes_u8().stride(), *_strides(w.scale, 3),
         *(perm.stride() if perm is not None else (0, 0)), *(bias.stride() if bias is not None else (0, 0)),
         *rw_str, *t_str,
-        BATCHED=rows.batched, W_FMT=w.w_fmt, GROUP=w.group_size, PK=w.pack_block,
+        BATCHED=rows.batched, PAIR_BLOCKS=rows.pair_blocks, W_FMT=w.w_fmt, GROUP=w.group_size, PK=w.pack_block,
         ACT_ORDER=perm is not None, HAS_ZERO=w.zero is not None, HAS_W_GSCALE=wg is not None,
         HAS_BIAS=bias is not None, MUL_ROUTED_WEIGHT=rw_in_gemm, DOT_DTYPE=_dot_dtype(a),
         ACT="none" if act is None or p is not None else act.activation.value,
@@ -273,28 +273,38 @@ class _Rows:
     """How a launch maps programs to rows (what ``_w4_rows`` reads): the standard layout's aligned
     blocks of ``block_m`` slots, or the batched layout's per-expert slabs of ``m_max`` rows."""
 
-    def __init__(self, batched, block_m, num_m_blocks, num_pairs, m_max, a_div, a_strides, c_shape, ptrs):
+    def __init__(self, batched, block_m, num_m_blocks, num_pairs, m_max, a_div, a_strides, c_shape, ptrs,
+                 num_experts, pair_blocks=False):  # fmt: skip
         self.batched, self.block_m, self.num_m_blocks, self.num_pairs = batched, block_m, num_m_blocks, num_pairs
         self.m_max, self.a_div, self.a_strides, self.c_shape, self._ptrs = m_max, a_div, a_strides, c_shape, ptrs
+        self.num_experts, self.pair_blocks = num_experts, pair_blocks
         self.blocks_per_expert = cdiv(m_max, block_m) if batched else 0
         self.total = c_shape[0] * (c_shape[1] if batched else 1)  # rows of C
 
     @classmethod
     def of(cls, a, w, cfg, routing, counts, a_div) -> _Rows:
+        e_l = w.shape[0]
         if routing is None:
-            e_l, m_max = w.shape[0], a.shape[1]
+            m_max = a.shape[1]
             blocks = e_l * cdiv(m_max, cfg.block_m)  # BM = 1: one program per row
-            return cls(True, cfg.block_m, blocks, 0, m_max, a_div, a.stride(), (e_l, m_max), (None, None, counts))
+            ptrs = (None, None, counts)
+            return cls(True, cfg.block_m, blocks, 0, m_max, a_div, a.stride(), (e_l, m_max), ptrs, e_l)
         expect(routing.block_m == cfg.block_m, "cfg.block_m", f"routing.block_m = {routing.block_m}", cfg.block_m)
         ptrs = (routing.sorted_ids, routing.block_expert, None)
-        n = routing.num_pairs
-        return cls(False, cfg.block_m, routing.block_expert.numel(), n, 0, a_div, (0, *a.stride()), (n,), ptrs)
+        n, blocks = routing.num_pairs, routing.block_expert.numel()
+        strides = (0, *a.stride())
+        return cls(False, cfg.block_m, blocks, n, 0, a_div, strides, (n,), ptrs, e_l, routing.pair_blocks)
+
+    @property
+    def slots(self) -> int:
+        """Slots of the standard layout's blocks (rows of an A permuted per slot)."""
+        return self.num_m_blocks * self.block_m
 
     def ptrs(self, dummy) -> tuple:
         return tuple(dummy if t is None else t for t in self._ptrs)
 
     def scalars(self) -> tuple:
-        return self.num_pairs, self.a_div, self.m_max, self.blocks_per_expert, self.num_m_blocks
+        return self.num_pairs, self.a_div, self.m_max, self.blocks_per_expert, self.num_experts, self.num_m_blocks
 
 
 _PERMUTE_BK = 128  # columns per program of the act-order A permutation
@@ -308,13 +318,13 @@ def _permute_a(a, w: W4Tensor, rows: _Rows) -> torch.Tensor:
         out = torch.empty(w.shape[0], rows.m_max, kp, dtype=a.dtype, device=a.device)
         o_str = out.stride()[:2]
     else:
-        out = torch.empty(rows._ptrs[0].numel(), kp, dtype=a.dtype, device=a.device)
+        out = torch.empty(rows.slots, kp, dtype=a.dtype, device=a.device)
         o_str = (0, out.stride(0))
     grid = (rows.num_m_blocks, cdiv(kp, _PERMUTE_BK))
     launch(_w4_permute_a_kernel, grid,
         a, w.perm, out, *rows.ptrs(out), w.shape[2], kp, rows.num_pairs, rows.a_div, rows.m_max,
-        rows.blocks_per_expert, *rows.a_strides, *w.perm.stride(), *o_str,
-        BATCHED=rows.batched, BLOCK_M=rows.block_m, BLOCK_K=_PERMUTE_BK, num_warps=4,
+        rows.blocks_per_expert, rows.num_experts, *rows.a_strides, *w.perm.stride(), *o_str,
+        BATCHED=rows.batched, PAIR_BLOCKS=rows.pair_blocks, BLOCK_M=rows.block_m, BLOCK_K=_PERMUTE_BK, num_warps=4,
     )  # fmt: skip
     return out
 
@@ -326,10 +336,11 @@ def _reduce(p, c, act, out_quant, c_scale, route_weights, rw_str, rows: _Rows, n
     grid = (rows.num_m_blocks, cdiv(n, bn))
     launch(_w4_reduce_kernel, grid,
         p, _u8(c), p if c_scale is None else c_scale, p if route_weights is None else route_weights,
-        *rows.ptrs(p), n, rows.num_pairs, rows.m_max, rows.blocks_per_expert,
+        *rows.ptrs(p), n, rows.num_pairs, rows.m_max, rows.blocks_per_expert, rows.num_experts,
         1.702 if act is None else act.swiglu_alpha, 7.0 if act is None else act.swiglu_limit,
         p.stride(0), *_row_strides(p[0], rows.batched), *rw_str, *_row_strides(c, rows.batched),
-        SPLIT_K=p.shape[0], BATCHED=rows.batched, MUL_ROUTED_WEIGHT=route_weights is not None,
+        SPLIT_K=p.shape[0], BATCHED=rows.batched, PAIR_BLOCKS=rows.pair_blocks,
+        MUL_ROUTED_WEIGHT=route_weights is not None,
         ACT="none" if act is None else act.activation.value,
         GATED=act is not None and act.activation.is_gated,
         INTERLEAVED=act is not None and act.gate_up_interleaved,

@@ -254,7 +254,8 @@ class MoEKernel:
         """The call's output from the launch plan recorded for its key (``modular.replay``), or
         None when there is none yet. A plan exists only for inputs of the same shapes, dtypes and
         weight tensors as a call that was validated and run, so callers skip validation on a hit."""
-        if self._plans is None or not self._plans.plans or env.check_values():
+        # under torch.compile the op is traced, not replayed (a key reads addresses)
+        if self._plans is None or not self._plans.plans or env.check_values() or torch.compiler.is_compiling():
             return None
         try:
             plan = self._plan(x, topk, weights, expert_map)

@@ -17,7 +17,8 @@ How: the second call with a key runs ``fn`` under a recorder. The recorder sees 
 - the allocations made during the call (``empty``, ``zeros``, ...): each becomes a region of one
   scratch buffer (256-byte aligned, so Triton's 16-byte specialisation holds), except the one the
   result lives in, which is allocated per call and returned;
-- fills (``zero_``, ``zeros``, ``full``) of those regions, replayed as fills.
+- fills (``zero_``, ``zeros``, ``full``) of those regions or of a tensor that lives on (a
+  preallocated workspace), replayed as fills.
 
 Any other op (arithmetic, a copy, a read of a value on the host) makes the key ineligible: the call
 runs as it always does, with the reason kept in ``LaunchPlans.refused``. Later calls with the key
@@ -140,10 +141,12 @@ class _Recorder(TorchDispatchMode):
         except _Refused as e:
             self.refused = str(e)
             return
-        if not isinstance(ref[0], tuple):
-            self.refused = "a fill of an input or of a tensor that outlives the call"
-            return
-        self.steps.append(("fill", ref, t.dtype, t.numel(), value))
+        if ref[0] == "held":  # a buffer that lives on (a workspace): the same tensor is filled again
+            self.steps.append(("fill_held", t, value))
+        elif not isinstance(ref[0], tuple):
+            self.refused = "a fill of an input"
+        else:
+            self.steps.append(("fill", ref, t.dtype, t.numel(), value))
 
     # ---- launches ---------------------------------------------------------------------
     def ref(self, t: torch.Tensor) -> tuple:
@@ -251,6 +254,8 @@ class LaunchPlan:
             if step[0] == "fill":
                 _, ref, dtype, numel, value = step
                 self.steps.append(("fill", *base(ref), dtype, numel, value))
+            elif step[0] == "fill_held":
+                self.steps.append(step)
             else:
                 _, launcher, template, fixups = step
                 fix = tuple((pos, *base(ref), dtype, shape, stride) for pos, ref, dtype, shape, stride in fixups)
@@ -281,6 +286,8 @@ class LaunchPlan:
                 for pos, b, off, dtype, shape, stride in fix:
                     args[pos] = _view(tensors[b], off, dtype, shape, stride)
                 launcher(args)
+            elif step[0] == "fill_held":
+                step[1].fill_(step[2])
             else:
                 _fill(tensors, *step[1:])
 
@@ -301,6 +308,10 @@ def _compile(steps: list[tuple]) -> Callable:
         if step[0] == "fill":
             names[f"F{i}"] = step[1:]
             lines.append(f"    _fill(tensors, *F{i})")
+            continue
+        if step[0] == "fill_held":
+            names[f"H{i}"], names[f"V{i}"] = step[1:]
+            lines.append(f"    H{i}.fill_(V{i})")
             continue
         _, d, template, fix = step
         args = []
