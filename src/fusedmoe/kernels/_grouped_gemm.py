@@ -373,7 +373,9 @@ def _act_epilogue(
     return acc
 
 
-@triton.jit
+# num_experts only bounds pair-block ids: not specialised, so a binary serves any E (the tuner's
+# workers compile with 2 experts' weights what the main process runs with E)
+@triton.jit(do_not_specialize=["num_experts"])
 def _grouped_gemm_kernel(
     a_ptr,
     a_scale_ptr,

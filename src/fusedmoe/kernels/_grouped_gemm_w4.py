@@ -422,7 +422,9 @@ def _w4_finish(
         tl.store(c_ptrs, quant_linear(acc, tl.load(c_scale_ptr), OUT_QUANT, EXACT_CAST), mask=c_mask)
 
 
-@triton.jit
+# num_experts only bounds pair-block ids: not specialised, so a binary serves any E (the tuner's
+# workers compile with 2 experts' weights what the main process runs with E)
+@triton.jit(do_not_specialize=["num_experts"])
 def _w4_gemm_kernel(
     a_ptr, w_ptr, w_scale_ptr, w_zero_ptr, w_gscale_ptr, perm_ptr, bias_ptr, route_w_ptr,
     c_ptr,  # C, or the fp32 partials P [SPLIT_K, ...] when SPLIT_K > 1
@@ -580,7 +582,9 @@ def _w4_gemm_kernel(
     )  # fmt: skip
 
 
-@triton.jit
+# num_experts only bounds pair-block ids: not specialised, so a binary serves any E (the tuner's
+# workers compile with 2 experts' weights what the main process runs with E)
+@triton.jit(do_not_specialize=["num_experts"])
 def _w4_reduce_kernel(
     p_ptr, c_ptr, c_scale_ptr, route_w_ptr, sorted_ids_ptr, block_expert_ptr, counts_ptr,
     N, num_pairs, m_max, blocks_per_expert, num_experts, alpha, limit,
@@ -623,7 +627,9 @@ def _w4_reduce_kernel(
     )  # fmt: skip
 
 
-@triton.jit
+# num_experts only bounds pair-block ids: not specialised, so a binary serves any E (the tuner's
+# workers compile with 2 experts' weights what the main process runs with E)
+@triton.jit(do_not_specialize=["num_experts"])
 def _w4_permute_a_kernel(
     a_ptr, perm_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, counts_ptr,
     KD, KP, num_pairs, a_div, m_max, blocks_per_expert, num_experts,

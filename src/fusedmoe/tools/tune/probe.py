@@ -50,10 +50,14 @@ def spec_key(kernel, args, kwargs) -> tuple:
     if kernel.fn not in _SIGNATURES:
         sig = inspect.signature(kernel.fn)
         params = getattr(kernel, "params", None)  # a JITFunction's, with its do_not_specialize
-        _SIGNATURES[kernel.fn] = (
-            sig,
-            params or [KernelParam(i, p, False, False) for i, p in enumerate(sig.parameters.values())],
-        )
+        if params is None:  # the interpreter's function keeps the jit options in .kwargs
+            opts = getattr(kernel, "kwargs", {})
+            plain, no_align = opts.get("do_not_specialize") or (), opts.get("do_not_specialize_on_alignment") or ()
+            params = [
+                KernelParam(i, p, i in plain or p.name in plain, i in no_align or p.name in no_align)
+                for i, p in enumerate(sig.parameters.values())
+            ]
+        _SIGNATURES[kernel.fn] = (sig, params)
     sig, params = _SIGNATURES[kernel.fn]
     bound = sig.bind_partial(*args, **{k: v for k, v in kwargs.items() if k in sig.parameters}).arguments
     out = [kernel.fn.__name__]
