@@ -1,8 +1,9 @@
 """Typed routing metadata shared by every backend (what the router and the aligner produce).
 
 Shapes use T tokens, K top-k, E_l local experts, BM the block size of the
-grouped GEMM. Every field is a device tensor; sizes that depend on the data
-are *upper bounds* so nothing needs a host synchronisation (CUDA-graph safe).
+grouped GEMM. Every field is a device tensor (or None where a pair-block routing
+has none); sizes that depend on the data are *upper bounds* so nothing needs a
+host synchronisation (CUDA-graph safe).
 """
 
 from __future__ import annotations
