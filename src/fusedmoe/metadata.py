@@ -12,12 +12,16 @@ from dataclasses import dataclass
 
 import torch
 
+# Expert id dtypes every kernel and check takes as they are (transformers' routers give int64;
+# the kernels compare ids in their own width, so no int64 id wraps into [0, E)).
+ID_DTYPES = (torch.int32, torch.int64)
+
 
 @dataclass(frozen=True)
 class TopK:
     """The router's choice.
 
-    ids:     int32 [T, K] global expert ids, distinct within a row.
+    ids:     int32 or int64 [T, K] global expert ids, distinct within a row.
     weights: float32 [T, K] router weights (already renormalized/scaled).
 
     Ids outside [0, E) (-1, the usual "no expert" mark, included) are not errors: such a

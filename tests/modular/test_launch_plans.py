@@ -275,7 +275,7 @@ def test_inputs_sharing_one_buffer_are_replayed_each_from_its_own_address(monkey
 def test_the_router_replays_its_fused_kernel(monkeypatch):
     # fused=True: the routing kernel (the interpreter here); fresh logits each call, the replayed
     # routing equals the plans-off one bit for bit and PyTorch's within rounding
-    from fusedmoe.routing import RouterConfig, _plans_of
+    from fusedmoe.routing import RouterConfig, _plans_of, _replayed
 
     router = RouterConfig(16, 4, scoring="sigmoid", renormalize=True, num_expert_group=4, topk_group=2)
     bias = torch.randn(16) * 0.1
@@ -290,6 +290,10 @@ def test_the_router_replays_its_fused_kernel(monkeypatch):
         assert torch.equal(got.ids.sort(dim=1).values, ref.ids.sort(dim=1).values)
     plans = _plans_of(router, create=False)
     assert plans is not None and len(plans.plans) == 1 and not plans.refused
+    assert _replayed(router, logits, bias) is not None
+    with monkeypatch.context() as m:  # traced by torch.compile: never replayed (keys read addresses)
+        m.setattr(torch.compiler, "is_compiling", lambda: True)
+        assert _replayed(router, logits, bias) is None
 
 
 @triton.jit

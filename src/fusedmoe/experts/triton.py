@@ -83,7 +83,7 @@ from ..kernels.grouped_gemm_w4 import supports as w4_supports
 from ..kernels.grouped_gemm_w4 import w4_gemm_launch, w4_launch_config
 from ..kernels.launch_config import LaunchConfig, gated_act_config, pick_launch_config
 from ..kernels.moe_sum import moe_sum
-from ..metadata import int32_ids, local_expert_ids
+from ..metadata import ID_DTYPES, int32_ids, local_expert_ids
 from ..quant import Operand, QTensor
 from ..quant.w4_layout import convertible, from_w4_weights, is_w4, to_w4_weights
 from .base import ALL_SCHEMES, Capabilities, Experts
@@ -297,7 +297,7 @@ class TritonExperts(_TritonBase):
         # the kernels read int32 or int64 ids (transformers' routers give int64) without a
         # conversion launch, which would also keep the call from being replayed (``modular.replay``)
         n_ids = e_l if expert_map is None else expert_map.shape[0]
-        ids = topk.ids if topk.ids.dtype in (torch.int32, torch.int64) else int32_ids(topk.ids, n_ids)
+        ids = topk.ids if topk.ids.dtype in ID_DTYPES else int32_ids(topk.ids, n_ids)
         by_pair = expert_map is None and t <= self.pair_blocks_tokens
         routing = pair_blocks(ids, plan.lc1.block_m) if by_pair else moe_align(ids, e_l, plan.lc1.block_m, expert_map)
         ep = self.act_epilogue()

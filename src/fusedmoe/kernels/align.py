@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import expect
-from ..metadata import AlignedRouting
+from ..metadata import ID_DTYPES, AlignedRouting
 from ._align import _align_count_kernel, _align_offsets_kernel, _align_one_kernel, _align_scatter_kernel
 from ._common import cdiv, interpreting, next_power_of_2
 from .launch import launch
@@ -32,12 +32,11 @@ from .launch import launch
 _MAX_CHUNK = 1024
 _FILL = 1024  # sentinel slots written per program and loop step
 _BLOCK_B = 64  # blocks labelled per step of the offsets kernel
-_ID_DTYPES = (torch.int32, torch.int64)  # what the kernels read (transformers' routers give int64)
 
 
 def _check(topk_ids: torch.Tensor, num_local_experts: int, block_m: int, expert_map) -> None:
     expect(topk_ids.dim() == 2, "topk_ids", "a [T, K] tensor", tuple(topk_ids.shape))
-    expect(topk_ids.dtype in _ID_DTYPES, "topk_ids", "int32 or int64", topk_ids.dtype)
+    expect(topk_ids.dtype in ID_DTYPES, "topk_ids", "int32 or int64", topk_ids.dtype)
     expect(num_local_experts > 0, "num_local_experts", "> 0", num_local_experts)
     expect(block_m > 0, "block_m", "> 0", block_m)
     if expert_map is not None:
@@ -187,7 +186,7 @@ def pair_blocks(topk_ids: torch.Tensor, block_m: int) -> AlignedRouting:
     token are distinct. ``_align_one_kernel`` took 6.1 us of a 59 us Qwen3-30B-A3B bf16 call
     at T = 1 on an H100 (10.1 us for DeepSeek-V3's 256 experts), one launch of four.
     ``topk_ids`` [T, K] int32 or int64 (any values: the kernels skip ids outside [0, E_l))."""
-    ok = topk_ids.dim() == 2 and topk_ids.dtype in _ID_DTYPES
+    ok = topk_ids.dim() == 2 and topk_ids.dtype in ID_DTYPES
     expect(ok, "topk_ids", "an int32 or int64 [T, K] tensor", (topk_ids.dtype, tuple(topk_ids.shape)))
     expect(block_m > 0, "block_m", "> 0", block_m)
     ids = topk_ids.reshape(-1)

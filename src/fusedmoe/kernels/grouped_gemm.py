@@ -87,8 +87,7 @@ def grouped_gemm_launch(
         w4_gemm_launch(a, w, c, fmt, cfg, call)
         return
     routing, counts, a_div, bias, route_weights, act, act_scale = call.unpacked()
-    pair_blocks = routing is not None and routing.pair_blocks
-    if cfg.persistent and not pair_blocks:  # the persistent kernel walks aligned blocks only
+    if cfg.persistent:  # (it refuses pair blocks: ``supports``)
         pk = _persistent
         served = pk.supports(fmt, act, a=a.data, w=w.q, c=c, cfg=cfg, routing=routing) is None
         if served or any(pk.sorted_layout(a.data, c, routing)):  # slot-ordered rows: only it reads them
@@ -159,7 +158,7 @@ def grouped_gemm_launch(
         HAS_A_GSCALE=ag is not None,
         HAS_W_GSCALE=wg is not None,
         DOT_DTYPE=dot_dtype,
-        PAIR_BLOCKS=pair_blocks,
+        PAIR_BLOCKS=routing is not None and routing.pair_blocks,
         **shared_constexprs(fmt, cfg, act, batched, bias, route_weights, out_quant),
     )
 

@@ -50,6 +50,7 @@ import torch
 from .. import env
 from ..config import MoEConfig
 from ..errors import UnsupportedError, expect
+from ..metadata import ID_DTYPES
 from ..quant import QDtype, QTensor, QuantScheme
 from ..quant.formats import PACKED, WEIGHT_DATA_DTYPE
 from ..quant.scheme import shape_supported
@@ -58,7 +59,6 @@ from ..weights import ExpertWeights
 __all__ = ["check_weights", "validate_call"]
 
 
-_ID_DTYPES = (torch.int32, torch.int64)
 _E8M0 = (torch.uint8, torch.float8_e8m0fnu)
 # What a weight scale must be where the format fixes it (others: any floating dtype).
 _SCALE_WANT = {
@@ -139,7 +139,7 @@ def _check_topk(x: torch.Tensor, device: torch.device, ids, w, config: MoEConfig
         expect(False, "topk_ids", f"a tensor [T, K] = [{t}, {k}]", type(ids))
     if ids.dim() != 2 or ids.shape[0] != t or ids.shape[1] != k:
         expect(False, "topk_ids", f"shape [T, K] = [{t}, {k}] (T from x, K = top_k)", tuple(ids.shape))
-    if ids.dtype not in _ID_DTYPES:
+    if ids.dtype not in ID_DTYPES:
         expect(False, "topk_ids", "dtype torch.int32 or torch.int64", ids.dtype)
     if ids.device != device:
         expect(False, "topk_ids", f"on x's device ({device})", ids.device)
