@@ -325,3 +325,15 @@ def test_a_fill_of_a_buffer_that_lives_on_is_replayed():
         out = plans.call(("key",), lambda x=x: call(x), (x,))
         assert torch.equal(out, x), f"call {seed}: the workspace was not zeroed"
     assert len(plans.plans) == 1 and not plans.refused
+
+
+def test_refused_keys_are_bounded():
+    # a server meets many prefill lengths; a key refused for each must not grow without end
+    from fusedmoe.modular.replay import LaunchPlans
+
+    plans = LaunchPlans(capacity=2)
+    x = torch.ones(4)
+    for n in range(40):
+        for _ in range(2):  # the second call of a key records, and is refused (an add is not replayable)
+            assert torch.equal(plans.call(("len", n), lambda: x + 1, (x,)), x + 1)
+    assert 0 < len(plans.refused) <= 16 and not plans.plans

@@ -396,6 +396,8 @@ class LaunchPlans:
             while len(self.plans) > self.capacity:
                 self.plans.popitem(last=False)
         else:
+            if len(self.refused) >= 8 * self.capacity:  # bounded, as ``_seen`` (prefill lengths vary)
+                self.refused.clear()
             self.refused[key] = got
         return result
 
