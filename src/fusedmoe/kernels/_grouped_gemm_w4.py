@@ -582,8 +582,7 @@ def _w4_gemm_kernel(
     )  # fmt: skip
 
 
-# num_experts only bounds pair-block ids: not specialised, so a binary serves any E (the tuner's
-# workers compile with 2 experts' weights what the main process runs with E)
+# num_experts not specialised: see _w4_gemm_kernel
 @triton.jit(do_not_specialize=["num_experts"])
 def _w4_reduce_kernel(
     p_ptr, c_ptr, c_scale_ptr, route_w_ptr, sorted_ids_ptr, block_expert_ptr, counts_ptr,
@@ -627,8 +626,7 @@ def _w4_reduce_kernel(
     )  # fmt: skip
 
 
-# num_experts only bounds pair-block ids: not specialised, so a binary serves any E (the tuner's
-# workers compile with 2 experts' weights what the main process runs with E)
+# num_experts not specialised: see _w4_gemm_kernel
 @triton.jit(do_not_specialize=["num_experts"])
 def _w4_permute_a_kernel(
     a_ptr, perm_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, counts_ptr,
