@@ -9,6 +9,7 @@
 #   tune.log            the environment and the tuner's progress
 # Knobs (environment): BUDGET_S (the tuner's wall-clock budget, default 480 s), TOKENS,
 # EXTRA_TOKENS, PRESETS, SCHEMES, SPACE, WORKERS, TUNE_ARGS (more `fusedmoe tune` options).
+# SCHEMES=int4_g128,mxfp4 tunes the 4-bit kernel (its tables: <gpu>/int4_g128_w4, mxfp4_g32_w4).
 set -uo pipefail
 OUT=${OUT:-./.out}
 BUDGET_S=${BUDGET_S:-480}

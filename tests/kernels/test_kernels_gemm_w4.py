@@ -21,6 +21,7 @@ more each on the decode and the tensor-core path.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import pathlib
 import subprocess
@@ -31,7 +32,9 @@ import pytest
 import torch
 from test_kernels_gemm import DEVICE, needs_cuda, needs_triton
 
+from fusedmoe import env
 from fusedmoe.config import Activation
+from fusedmoe.kernels import tuned_configs
 from fusedmoe.kernels._common import interpreting
 from fusedmoe.kernels.align import moe_align_ref
 from fusedmoe.kernels.gemm_format import ActEpilogue, GemmCall, GemmFormat
@@ -42,8 +45,9 @@ from fusedmoe.kernels.grouped_gemm_w4 import (
     supports,
     w4_gemm_launch,
     w4_launch_config,
+    w4_scheme_key,
 )
-from fusedmoe.kernels.launch_config import LaunchConfig, gated_act_config
+from fusedmoe.kernels.launch_config import LaunchConfig, gated_act_config, override_launch_config
 from fusedmoe.kernels.moe_sum import moe_sum, moe_sum_ref
 from fusedmoe.quant import Operand, QuantScheme, dequantize, quantize
 from fusedmoe.quant.w4_layout import LAYOUT, W4Tensor, convertible, from_w4, from_w4_weights, to_w4, to_w4_weights
@@ -199,6 +203,35 @@ def test_fit_and_default_w4_config():
     assert default_w4_config(2, 8, 4096, 14336).split_k == 4  # Mixtral GEMM2 at T = 1
     assert default_w4_config(8, 128, 2048, 768).split_k == 1  # Qwen3: K 768 is 3 steps
     assert default_w4_config(4, 8, 28672, 4096, gated=True).split_k == 1
+
+
+def test_w4_launch_config_reads_this_gpus_tuned_table(tmp_path, monkeypatch):
+    """A tuned entry (``fusedmoe tune`` writes them under ``w4_scheme_key``) wins over the
+    heuristic on its GPU only; a pinned config wins over both; deterministic mode never splits."""
+    w4 = to_w4(_quantized(SCHEMES["mxfp4"], 2, 16, 2880), SCHEMES["mxfp4"].w1)
+    assert w4_scheme_key(w4) == "mxfp4_g32_w4"
+    tuned = LaunchConfig(16, 128, 128, 1, 8, 3, split_k=1, w_major=0)
+    split = LaunchConfig(1, 64, 256, 1, 4, 4, split_k=8, w_major=1)
+    path = tuned_configs.config_path(tmp_path, "GPU A", "mxfp4_g32_w4", 8, 16, 2880)
+    path.parent.mkdir(parents=True)
+    table = {str(m): dataclasses.asdict(c) for m, c in ((2, split), (4096, tuned))}
+    path.write_text(json.dumps({"configs": table}))
+    monkeypatch.setenv(env.CONFIG_DIR, str(tmp_path))
+    tuned_configs.clear_cache()
+    try:
+        for gpu, want in (("GPU A", tuned), ("GPU B", default_w4_config(4000, 8, 16, 2880))):
+            monkeypatch.setattr(tuned_configs, "current_gpu", lambda g=gpu: g)
+            assert w4_launch_config(4000, 8, 16, 2880, w4) == fit_w4_config(want, w4)
+        monkeypatch.setattr(tuned_configs, "current_gpu", lambda: "GPU A")
+        assert w4_launch_config(2, 8, 16, 2880, w4).split_k == 8  # nearest pair count: 2
+        assert w4_launch_config(2, 8, 16, 2880, w4, deterministic=True).split_k == 1
+        pinned = LaunchConfig(32, 64, 128, 1, 4, 3, w_major=1)
+        with override_launch_config(pinned):
+            assert w4_launch_config(4000, 8, 16, 2880, w4) == fit_w4_config(pinned, w4)
+        monkeypatch.setenv(env.LAUNCH_CONFIG, "64,128,128,1,4,3,1,1")
+        assert w4_launch_config(4000, 8, 16, 2880, w4) == fit_w4_config(LaunchConfig(64, 128, 128, 1, 4, 3, 1, 1), w4)
+    finally:
+        tuned_configs.clear_cache()
 
 
 def test_fast_unpack_where_exact_and_on_the_gpu(monkeypatch):

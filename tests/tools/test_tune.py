@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,9 +15,11 @@ import torch
 from fusedmoe import cli, env
 from fusedmoe.kernels import launch, tuned_configs
 from fusedmoe.kernels._common import interpreting
+from fusedmoe.kernels.grouped_gemm_w4 import w4_launch_config
 from fusedmoe.kernels.launch_config import LaunchConfig, pick_launch_config
 from fusedmoe.quant import QuantScheme
-from fusedmoe.testing import random_topk
+from fusedmoe.quant.w4_layout import LAYOUT
+from fusedmoe.testing import random_topk, rel_error
 from fusedmoe.tools.presets import PRESETS, preset_config
 from fusedmoe.tools.tune import Combo, candidates, operands, pool, probe, report, space, tune_many
 from fusedmoe.tools.tune import run as runner
@@ -65,6 +68,19 @@ def test_group_m_only_where_an_expert_has_several_tiles():
     many = candidates("quick", 64 * 512, 64)  # 512 rows per expert: several tiles at every BM
     assert {c.group_m for c in many} == {1, 8} and len(many) == 96 + 16  # + the persistent kernel's
     assert sum(c.persistent for c in many) == 16
+
+
+def test_w4_candidates_cover_both_orientations_and_split_k_fma_for_decode():
+    dec = space.w4_candidates("quick", 2, 8)  # Mixtral at T = 1: 0.25 rows per expert
+    fma = [c for c in dec if c.block_m == 1]
+    assert {c.split_k for c in fma} == {1, 2, 4, 8} and all(c.w_major for c in fma)
+    assert {c.block_m for c in dec} == {1, 16} and {c.w_major for c in dec if c.block_m == 16} == {0, 1}
+    pre = space.w4_candidates("quick", 4096 * 2, 8)  # T = 4096: 1024 rows per expert
+    assert {c.block_m for c in pre} == {16, 32, 64, 128, 256} and all(c.split_k == 1 for c in pre)
+    assert all(c.w_major for c in pre if c.block_m > 64)  # C-major only for small BM
+    assert all(c.block_m * c.block_n <= 128 * 256 for c in pre)
+    assert all(c.num_warps == 4 for c in pre if c.block_m * c.block_n < 128 * 128)
+    assert {c.group_m for c in pre} == {1, 8} and {c.group_m for c in dec} == {1}
 
 
 def test_combos_whose_scheme_cannot_store_the_shape_are_refused_with_the_reason():
@@ -296,6 +312,80 @@ def test_worker_operands_give_the_main_process_specialisation(shape, scheme):
     if config.top_k == 8:
         heur = {t: c for (g, t, c) in specs if g == "w13"}
         assert specs[("w13", 1, heur[1])][0][0] != specs[("w13", 2, heur[2])][0][0] or heur[1] != heur[2]
+
+
+W4_SHAPES = {
+    "E256K8": dict(num_experts=256, top_k=8, hidden_size=128, intermediate_size=64),
+    "E3K1": dict(num_experts=3, top_k=1, hidden_size=256, intermediate_size=256),  # GEMM2: two K steps
+    "E8K2bias": dict(num_experts=8, top_k=2, hidden_size=64, intermediate_size=32, has_bias=True),
+}
+W4_CONFIGS = [LaunchConfig(32, 64, 128, 1, 4, 3, w_major=1), LaunchConfig(1, 32, 256, 1, 4, 4, split_k=2, w_major=1)]
+
+
+@pytest.mark.parametrize("scheme", ["int4_g32", "mxfp4"])
+@pytest.mark.parametrize("shape", list(W4_SHAPES.values()), ids=list(W4_SHAPES))
+def test_w4_steps_plan_as_the_layer_does(shape, scheme):
+    """4-bit steps: weights in the w4 layout, the layer's untuned config as the heuristic, GEMM1's
+    output [pairs, I] (the fused activation), and the workers' specialisation equal to the main
+    process's (recorded, not launched)."""
+    combo = Combo("small", scheme, tuple(sorted(shape.items())))
+    config, sch = preset_config("small", **shape), QuantScheme.by_name(scheme)
+    weights = operands.layer_weights(config, sch, "cpu")
+    assert weights.layout == LAYOUT
+    for t in (1, 16):
+        ids, rw = random_topk(t, config.num_experts, config.top_k, torch.Generator().manual_seed(t))
+        for gemm in ("w13", "w2"):
+            main = operands.step_operands(config, sch, weights, gemm, t, "cpu", ids, rw)
+            assert main.w4 and main.key == f"{scheme.split('_')[0]}_g32_w4"
+            layer_cfg = w4_launch_config(main.pairs, config.num_experts, main.n, main.kd, main.w.q, gated=gemm == "w13")
+            assert main.heuristic() == layer_cfg
+            assert main.out.shape == (main.pairs, config.intermediate_size if gemm == "w13" else main.n)
+            for cfg in (main.heuristic(), *(main.fit(c) for c in W4_CONFIGS)):
+                with probe.probing("record") as got:
+                    operands.launch(main, cfg, main.routing(cfg.block_m))
+                assert probe.job_spec(probe.Job(combo, gemm, t, cfg, "cpu")) == tuple(got), (gemm, t, cfg)
+
+
+def test_cli_tunes_the_w4_kernel_and_the_layer_reads_its_tables(tmp_path, monkeypatch):
+    argv = ["tune", "--preset", "tiny-a", "--scheme", "mxfp4", "--tokens", "1,8", "--space", "tiny"]
+    assert cli.main([*argv, "--out", str(tmp_path)]) == 0
+    files = sorted(tmp_path.rglob("*.json"))
+    assert [f.parent.name for f in files] == ["mxfp4_g32_w4"] * 2
+    monkeypatch.setenv(env.CONFIG_DIR, str(tmp_path))
+    monkeypatch.setattr(tuned_configs, "current_gpu", lambda: "cpu-interpreter")
+    tuned_configs.clear_cache()
+    try:
+        config, sch = preset_config("tiny-a"), QuantScheme.by_name("mxfp4")
+        weights = operands.layer_weights(config, sch, "cpu")
+        for f in files:
+            data = _json(f)
+            gemm1 = data["N"] == config.w13_rows
+            w = weights.w13 if gemm1 else weights.w2
+            assert set(data["configs"]) == {"2", "16"}  # pairs = T * K
+            for pairs, cfg in data["configs"].items():
+                got = w4_launch_config(int(pairs), data["E"], data["N"], data["K"], w, gated=gemm1)
+                assert got == LaunchConfig(**cfg)
+    finally:
+        tuned_configs.clear_cache()
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() or interpreting()), reason="no kernel launches")
+def test_w4_split_k_partials_are_what_the_layer_sums():
+    """GEMM2 under split-K returns fp32 partials [S, pairs, H] (the layer's ``moe_sum`` adds them):
+    the tuner checks their sum against the unsplit launch."""
+    config, sch = preset_config("small", **W4_SHAPES["E3K1"]), QuantScheme.by_name("int4_g32")
+    weights = operands.layer_weights(config, sch, "cpu")
+    ids, rw = random_topk(1, config.num_experts, config.top_k, torch.Generator().manual_seed(1))
+    op = operands.step_operands(config, sch, weights, "w2", 1, "cpu", ids, rw)
+    split, one = op.fit(W4_CONFIGS[1]), op.fit(replace(W4_CONFIGS[1], split_k=1))
+    assert split.split_k == 2
+    parts = operands.launch(op, split, op.routing(1))
+    assert parts.shape == (2, op.pairs, op.n) and parts.dtype == torch.float32
+    op.out.fill_(float("nan"))
+    whole = operands.launch(op, one, op.routing(1))
+    assert whole is op.out and not whole.isnan().any()
+    assert rel_error(op.value(parts), whole.float()) < 1e-2
+    assert not torch.equal(parts[0], parts[1])  # two halves of K, not one result twice
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() or interpreting()), reason="no kernel launches to probe")

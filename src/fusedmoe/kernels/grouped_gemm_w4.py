@@ -31,6 +31,8 @@ standard layout: no launch of its own).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton.language as tl
 
@@ -42,7 +44,7 @@ from ._common import cdiv, interpreting, next_power_of_2
 from ._grouped_gemm_w4 import _w4_gemm_kernel, _w4_permute_a_kernel, _w4_reduce_kernel
 from .gemm_format import _OUT_QUANT, _TL_DTYPE, GemmCall, GemmFormat, _strides, _u8
 from .launch import launch
-from .launch_config import LaunchConfig, overridden, pick_launch_config
+from .launch_config import LaunchConfig, pick_launch_config
 
 _REDUCE_BN = 128  # columns per program of the split-K reduce (fp32 loads of 512 B per row)
 
@@ -82,6 +84,13 @@ def _mode(cfg: LaunchConfig) -> str:
     return "fma1" if cfg.block_m == 1 and cfg.w_major else "fma"
 
 
+def w4_scheme_key(w: W4Tensor) -> str:
+    """The tuned-config folder of w4 GEMMs on ``w``'s format: 'int4_g128_w4', 'mxfp4_g32_w4',
+    'nvfp4_g16_w4'. The group sets the pack block and the scale loads (int4 comes in groups of
+    32-128), so it is part of the key; zero points and act-order share their plain format's tables."""
+    return f"{w.w_fmt}_g{w.group_size}_w4"
+
+
 def w4_launch_config(
     m_pairs: int, num_experts: int, n: int, k: int, w: W4Tensor, *, gated: bool = False, deterministic: bool = False
 ) -> LaunchConfig:
@@ -89,15 +98,20 @@ def w4_launch_config(
     (``gated``: GEMM1 with a fused gated activation; the caller still halves BN for it with
     ``gated_act_config``, as for the reference kernel).
 
-    A scoped ``override_launch_config`` or ``FUSEDMOE_LAUNCH_CONFIG`` wins, as for every GEMM;
-    else ``default_w4_config`` (the reference kernel's tuned JSON is for another kernel).
-    ``deterministic``: plan as if every expert had 64 rows, as ``pick_launch_config`` does.
+    As for every GEMM (``pick_launch_config``): a scoped ``override_launch_config`` or
+    ``FUSEDMOE_LAUNCH_CONFIG``, else this GPU's tuned entry (``w4_scheme_key``; ``fusedmoe tune``
+    tunes GEMM1 as the layer launches it, with the fused activation and BN halved), else
+    ``default_w4_config``. ``deterministic``: plan as if every expert had 64 rows, and never
+    split K (split-K sums partials in a different order than the unsplit loop).
     """
-    if overridden():
-        return fit_w4_config(pick_launch_config(m_pairs, num_experts, n, k, w.w_fmt + "_w4"), w)
-    if deterministic:
-        m_pairs = 64 * max(1, num_experts)
-    return fit_w4_config(default_w4_config(m_pairs, num_experts, n, k, gated, w.w_fmt), w)
+
+    def default(m, e, n_, k_):
+        return default_w4_config(m, e, n_, k_, gated, w.w_fmt)
+
+    cfg = pick_launch_config(m_pairs, num_experts, n, k, w4_scheme_key(w), deterministic=deterministic, default=default)
+    if deterministic and cfg.split_k > 1:
+        cfg = replace(cfg, split_k=1)
+    return fit_w4_config(cfg, w)
 
 
 def default_w4_config(
@@ -357,4 +371,5 @@ __all__ = [
     "supports",
     "w4_gemm_launch",
     "w4_launch_config",
+    "w4_scheme_key",
 ]

@@ -125,12 +125,6 @@ def scoped_override() -> bool:
     return bool(_OVERRIDE)
 
 
-def overridden() -> bool:
-    """A config is pinned (``override_launch_config`` or ``FUSEDMOE_LAUNCH_CONFIG``): it wins over
-    every table and heuristic, the 4-bit kernel's too."""
-    return scoped_override() or env.raw(env.LAUNCH_CONFIG) is not None
-
-
 def default_launch_config(m_pairs: int, num_experts: int, n: int, k: int, scheme_key: str) -> LaunchConfig:
     """A heuristic config for ``m_pairs`` routed rows over ``num_experts`` experts of W [N, K].
 
@@ -204,9 +198,11 @@ DETERMINISTIC_ROWS_PER_EXPERT = 64
 
 
 def pick_launch_config(
-    m_pairs: int, num_experts: int, n: int, k: int, scheme_key: str, *, deterministic: bool = False
+    m_pairs: int, num_experts: int, n: int, k: int, scheme_key: str, *, deterministic: bool = False, default=None
 ) -> LaunchConfig:
-    """The scoped override, else the environment variable, else ``default_launch_config``.
+    """The scoped override, else the environment variable, else the tuned entry nearest
+    ``m_pairs`` for (GPU, ``scheme_key``, E, N, K), else ``default(m_pairs, E, N, K)``
+    (``default_launch_config`` for this kernel; the w4 kernel passes its own).
 
     ``deterministic``: ignore ``m_pairs`` (the token count), so the config is the same for
     every batch (see ``DETERMINISTIC_ROWS_PER_EXPERT``).
@@ -221,6 +217,8 @@ def pick_launch_config(
     tuned = tuned_configs.lookup(m_pairs, num_experts, n, k, scheme_key)  # nearest pair count
     if tuned is not None:
         return _config(**tuned)
+    if default is not None:
+        return default(m_pairs, num_experts, n, k)
     return default_launch_config(m_pairs, num_experts, n, k, scheme_key)
 
 

@@ -5,6 +5,13 @@ K = I), launched as the layer launches it: bias, router weights on GEMM2, into a
 output. The main process builds the layer's full-size operands (``step_operands``); a compile
 worker builds operands with the same Triton specialisation from two experts' weights
 (``worker_operands``; why that suffices: ``probe``).
+
+4-bit weights that the triton experts run in the w4 layout (int4, MXFP4, NVFP4 with float
+activations) are converted as the experts convert them (``prepare_weights``), and their steps
+are the w4 kernel's launches as the layer makes them: GEMM1 with the fused activation (its
+config's BN halved for a gated one; the table keeps the unhalved config, as ``w4_launch_config``
+returns it), GEMM2 under split-K writing fp32 partials that the layer's ``moe_sum`` adds up
+(no reduce launch), and GEMM2's BM free (the layer aligns twice when the BMs differ).
 """
 
 from __future__ import annotations
@@ -13,12 +20,15 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from ...experts.triton import TritonExperts
 from ...kernels.align import moe_align, moe_align_ref
-from ...kernels.gemm_format import GemmFormat, scheme_key
+from ...kernels.gemm_format import ActEpilogue, GemmCall, GemmFormat, scheme_key
 from ...kernels.grouped_gemm import grouped_gemm
-from ...kernels.launch_config import LaunchConfig, default_launch_config, fit_launch_config
+from ...kernels.grouped_gemm_w4 import default_w4_config, fit_w4_config, w4_gemm_launch, w4_scheme_key
+from ...kernels.launch_config import LaunchConfig, default_launch_config, fit_launch_config, gated_act_config
 from ...quant import Operand, QuantScheme, quantize
 from ...quant.scheme import shape_supported
+from ...quant.w4_layout import is_w4
 from ...weights import ExpertWeights
 from ..bench import bench_weights
 from ..presets import preset_config
@@ -75,6 +85,16 @@ class StepOperands:
     out: torch.Tensor
     ref_align: bool = False  # workers: moe_align_ref (no align kernels to compile, same shapes)
     routes: dict = field(default_factory=dict)
+    act: ActEpilogue | None = None  # w4 GEMM1: the layer's fused activation (module docstring)
+
+    @property
+    def w4(self) -> bool:
+        """The w4 kernel runs this GEMM (4-bit weights in the w4 layout)."""
+        return is_w4(self.w.q)
+
+    @property
+    def gated(self) -> bool:
+        return self.act is not None and self.act.activation.is_gated
 
     @property
     def pairs(self) -> int:
@@ -87,24 +107,44 @@ class StepOperands:
         return self.routes[bm]
 
     def fit(self, cfg: LaunchConfig) -> LaunchConfig:
-        """The config as the launcher runs it (BK divides a w8a8 scale group)."""
+        """The config as the launcher runs it (BK divides a w8a8 scale group; the w4 kernel's
+        ``fit_w4_config``)."""
+        if self.w4:
+            return fit_w4_config(cfg, self.w.q)
         return fit_launch_config(cfg, self.fmt.k_group, strict=self.fmt.native)
 
     def heuristic(self) -> LaunchConfig:
+        if self.w4:
+            return self.fit(default_w4_config(self.pairs, self.e, self.n, self.kd, self.gated, self.w.q.w_fmt))
         return self.fit(default_launch_config(self.pairs, self.e, self.n, self.kd, self.key))
+
+    def value(self, out: torch.Tensor) -> torch.Tensor:
+        """The GEMM's result from what ``launch`` returned: split-K partials [S, rows, N] summed."""
+        return out.sum(0) if out.dim() == 3 else out
 
 
 def launch(op: StepOperands, cfg: LaunchConfig, routing) -> torch.Tensor:
-    """The tuner's only grouped_gemm call (workers, planning, checks and timings all come here):
-    the GEMM as the layer launches it; a launch option of the layer (GEMM1's fused activation)
-    goes in here and in ``StepOperands``."""
+    """The tuner's only GEMM call (workers, planning, checks and timings all come here): the GEMM
+    as the layer launches it (``experts.triton``); w4 GEMM2 under split-K returns its partials."""
+    if op.act is not None:
+        lc = gated_act_config(cfg) if op.gated else cfg
+        return grouped_gemm(op.a, op.w, routing, bias=op.bias, a_div=op.a_div, out=op.out, config=lc, act=op.act)
+    if op.w4 and cfg.split_k > 1:
+        call = GemmCall(routing, a_div=op.a_div, bias=op.bias, route_weights=op.topk_weights)
+        p = w4_gemm_launch(op.a, op.w, op.out, op.fmt, cfg, call, reduce=False)
+        return op.out if p is None else p
     return grouped_gemm(
         op.a, op.w, routing, bias=op.bias, topk_weights=op.topk_weights, a_div=op.a_div, out=op.out, config=cfg
     )
 
 
 def layer_weights(config, scheme, device) -> ExpertWeights:
-    """Random weights of the layer: the benchmark's on a GPU, small fp32-drawn ones on a CPU."""
+    """Random weights of the layer (the benchmark's on a GPU, small fp32-drawn ones on a CPU), in
+    the layout the triton experts run them (``prepare_weights``: 4-bit ones in the w4 layout)."""
+    return TritonExperts(config, scheme).prepare_weights(_random_weights(config, scheme, device))
+
+
+def _random_weights(config, scheme, device) -> ExpertWeights:
     if device == "cuda":
         return bench_weights(config, scheme, device)
     g = torch.Generator().manual_seed(0)
@@ -130,13 +170,14 @@ def step_operands(config, scheme, weights, gemm: str, t: int, device, ids, route
         rw = None if config.apply_router_weight_on_input else route_w
     a = torch.randn(rows, kd, generator=g, device=device).to(config.dtype)
     aq = quantize(a, aq_t) if aq_t is not None else None
-    n = w.shape[1]
+    n, w4 = w.shape[1], is_w4(w)
+    act = TritonExperts(config, scheme).act_epilogue() if w4 and gemm == "w13" else None
     return StepOperands(
         gemm=gemm,
         e=config.num_experts,
         n=n,
         kd=kd,
-        key=scheme_key(wq_t, aq_t),
+        key=w4_scheme_key(w) if w4 else scheme_key(wq_t, aq_t),
         fmt=GemmFormat.of(wq_t, aq_t, n, kd, w.zero is not None),
         a=Operand.of(a if aq is None else aq, aq_t),
         w=Operand(w, wq_t),
@@ -144,7 +185,8 @@ def step_operands(config, scheme, weights, gemm: str, t: int, device, ids, route
         topk_weights=rw,
         a_div=a_div,
         ids=ids,
-        out=torch.empty(t * k, n, dtype=config.dtype, device=device),
+        out=torch.empty(t * k, n if act is None else act.out_cols(n), dtype=config.dtype, device=device),
+        act=act,
     )
 
 

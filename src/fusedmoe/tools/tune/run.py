@@ -30,7 +30,7 @@ from .operands import Combo, StepOperands, launch, layer_weights, step_operands,
 from .pool import WarmPool
 from .probe import Job, job_spec, probing
 from .report import ComboResult, StepResult, TuneReport, write_combo
-from .space import MIN_CANDIDATES, by_distance, candidates, fmt_config
+from .space import MIN_CANDIDATES, by_distance, candidates, fmt_config, w4_candidates
 
 TOLERANCE = 1e-2  # a candidate's output vs the heuristic config's
 # Cost-model priors until measured: a Triton compile of this kernel takes 1-2 s on one core; the
@@ -114,16 +114,24 @@ class _Run:
             for t in toks:
                 op = worker_operands(self.combos[ci], "w13", t, self.device)
                 heur = op.heuristic()
-                ranked = by_distance([heur] + [op.fit(c) for c in candidates(self.space, op.pairs, op.e)], heur)
+                ranked = by_distance([heur] + [op.fit(c) for c in self.candidates(op)], heur)
                 self.plan[(pi, "w13", t)] = self.planned(pi, "w13", t, ranked)
-                self.plan[(pi, "w2", t)] = len(candidates(self.space, op.pairs, op.e, heur.block_m))
+                self.plan[(pi, "w2", t)] = len(self.candidates(op, heur.block_m))
             self.resubmit(self.fraction(0))
 
+    def candidates(self, op: StepOperands, block_m: int | None = None) -> list[LaunchConfig]:
+        """The step's space: the w4 kernel's (GEMM2's BM free) or the others' (GEMM2 under ``block_m``)."""
+        if op.w4:
+            return w4_candidates(self.space, op.pairs, op.e)
+        return candidates(self.space, op.pairs, op.e, block_m)
+
     def plan_w2(self, pi: int, t: int, bm: int) -> None:
-        """GEMM2's candidates at the BM GEMM1 chose, and its heuristic (the layer's untuned BM)."""
+        """GEMM2's candidates at the BM GEMM1 chose (the w4 kernel's: at any BM), and its
+        heuristic (the layer's untuned BM)."""
         op = worker_operands(self.combos[self.passes[pi][0]], "w2", t, self.device)
-        heur, pinned = op.heuristic(), op.fit(replace(op.heuristic(), block_m=bm))
-        ranked = by_distance([pinned] + [op.fit(c) for c in candidates(self.space, op.pairs, op.e, bm)], pinned)
+        heur = op.heuristic()
+        pinned = heur if op.w4 else op.fit(replace(heur, block_m=bm))
+        ranked = by_distance([pinned] + [op.fit(c) for c in self.candidates(op, bm)], pinned)
         self.plan[(pi, "w2", t)] = self.planned(pi, "w2", t, ranked)
         self.heuristic_job(pi, "w2", t, heur)
         self.resubmit(self.fraction(pi))
@@ -221,7 +229,7 @@ class _Run:
         final = sorted(screened, key=lambda c: (screened[c], order.index(c)))[: self.top]
         res.heuristic_ms = self.timer(heur, self.bound(op, heur), self.retime_ms)
         timed = {c: self.timer(c, self.bound(op, c), self.retime_ms) for c in final}
-        if gemm == "w13" or heur.block_m == bm:
+        if bm is None or heur.block_m == bm:
             timed[heur] = res.heuristic_ms
         res.cfg = min(timed, key=lambda c: (timed[c], order.index(c) if c in order else -1))
         res.ms = timed[res.cfg]
@@ -276,7 +284,7 @@ class _Run:
                 res.key_mismatch += 1
                 diff = [(a, b) for a, b in zip(warmed.spec[0][0], specs[0][0], strict=False) if a != b]
                 self.log(f"  {fmt_config(cfg)}: the worker compiled another specialisation (worker, main): {diff[:3]}")
-        return out
+        return op.value(out)
 
     # -- one pass
     def run_pass(self, pi: int, cr: ComboResult) -> None:
@@ -299,7 +307,7 @@ class _Run:
                 ids, rw = random_topk(t, config.num_experts, config.top_k, g)
                 op = step_operands(config, scheme, weights, gemm, t, self.device, ids, rw)
                 cr.shapes[gemm] = (op.n, op.kd, op.key)
-                bm = cr.steps[("w13", t)].cfg.block_m if gemm == "w2" else None
+                bm = cr.steps[("w13", t)].cfg.block_m if gemm == "w2" and not op.w4 else None
                 try:
                     r = cr.steps[(gemm, t)] = self.step(pi, op, t, bm)
                 except Exception as exc:  # one step's failure must not lose the others

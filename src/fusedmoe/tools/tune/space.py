@@ -57,14 +57,83 @@ PERSISTENT_SPACE = dict(
     persistent=(True,),
 )
 PREFILL_ROWS = 64
+# The w4 kernel's space (``kernels.grouped_gemm_w4``; 4-bit weights, float activations): BK 128
+# (every format's pack block divides it), tensor-core tiles in both orientations, W-major
+# ("swap", W fed from registers, BM the MMA's N: BM 16-256) and C-major ("dot", BM <= 64: it
+# measured 1.25x slower than swap at BM 128 on Mixtral int4 GEMM2, and BM 256 would hold a
+# [256, BN] accumulator), at most 128 x 256 accumulator elements per program, 8 warps only from
+# 128 x 128; and from ``W4_DECODE_ROWS`` rows per expert down the FMA path (BM 1, one or two pack
+# blocks per step) with split-K, which decode needs (Mixtral GEMM2 at T = 1, 256 output tiles:
+# 92 us unsplit, 66-70 us with 2-4 splits on an H100).
+W4_SPACES = {
+    "quick": dict(
+        block_m=(16, 32, 64, 128, 256),
+        block_n=(64, 128, 256),
+        block_k=(128,),
+        group_m=(1, 8),
+        num_warps=(4, 8),
+        num_stages=(3, 4),
+        w_major=(0, 1),
+    ),
+    "full": dict(
+        block_m=(16, 32, 64, 128, 256),
+        block_n=(32, 64, 128, 256),
+        block_k=(128, 256),
+        group_m=(1, 8),
+        num_warps=(4, 8),
+        num_stages=(2, 3, 4, 5),
+        w_major=(0, 1),
+    ),
+    "tiny": dict(
+        block_m=(16,), block_n=(32,), block_k=(128,), group_m=(1,), num_warps=(4,), num_stages=(2,), w_major=(0, 1)
+    ),
+}
+W4_DECODE_SPACE = dict(
+    block_m=(1,),
+    block_n=(16, 32, 64),
+    block_k=(256,),
+    group_m=(1,),
+    num_warps=(4,),
+    num_stages=(4,),  # the FMA loop issues its loads one step ahead itself
+    w_major=(1,),
+    split_k=(1, 2, 4, 8),
+)
+W4_TINY_DECODE = dict(W4_DECODE_SPACE, block_n=(32,), split_k=(1, 2))
+W4_DECODE_ROWS = 1
 ALL_PRESETS = ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3", "gpt-oss-20b")  # ``--preset all``
-SCHEMES = ("bf16", "fp8_tensor", "fp8_block")  # ``--scheme all``
+# ``--scheme all``: what the shipped tables cover (the w4 kernel's int4 and MXFP4 included)
+SCHEMES = ("bf16", "fp8_tensor", "fp8_block", "int4_g128", "mxfp4")
 MIN_CANDIDATES = 4  # kept per step (besides the heuristic) whatever the budget
 
 
 def parse_presets(text: str) -> list[str]:
     """'all' -> the four shipped presets; else a comma list."""
     return list(ALL_PRESETS) if text == "all" else [p for p in text.split(",") if p]
+
+
+def w4_candidates(space: str, m_pairs: int, num_experts: int) -> list[LaunchConfig]:
+    """The w4 kernel's candidates (``W4_SPACES``): tensor-core tiles whose BM suits the rows per
+    expert as in ``candidates``, and the FMA path's from ``W4_DECODE_ROWS`` rows down. GEMM2's BM
+    is free (the layer aligns again when it differs from GEMM1's)."""
+    rows = m_pairs / max(1, num_experts)
+    grids = [W4_SPACES[space]]
+    if rows <= W4_DECODE_ROWS:
+        grids.append(W4_TINY_DECODE if space == "tiny" else W4_DECODE_SPACE)
+    need = max(16, 4 * m_pairs // max(1, num_experts))
+    out = []
+    for grid in grids:
+        for vals in itertools.product(*grid.values()):
+            c = LaunchConfig(**dict(zip(grid, vals, strict=True)))
+            tile = c.block_m * c.block_n
+            ok = c.block_m == 1 or (
+                (c.block_m <= need or c.block_m == 16)
+                and (c.w_major or c.block_m <= 64)
+                and tile <= 128 * 256
+                and (c.num_warps == 4 or tile >= 128 * 128)
+            )
+            if ok and (c.group_m == 1 or rows > c.block_m):
+                out.append(c)
+    return out
 
 
 def candidates(space: str, m_pairs: int, num_experts: int, block_m: int | None = None) -> list[LaunchConfig]:
@@ -109,7 +178,8 @@ def by_distance(cfgs: list[LaunchConfig], ref: LaunchConfig) -> list[LaunchConfi
 
     def dist(c: LaunchConfig) -> float:
         tiles = sum(abs(math.log2(getattr(c, f) / getattr(ref, f))) for f in ("block_m", "block_n", "block_k"))
-        return tiles + (c.group_m != ref.group_m) + (c.num_warps != ref.num_warps) + abs(c.num_stages - ref.num_stages)
+        knobs = (c.group_m != ref.group_m) + (c.num_warps != ref.num_warps) + abs(c.num_stages - ref.num_stages)
+        return tiles + knobs + (c.w_major != ref.w_major) + abs(math.log2(c.split_k / ref.split_k))
 
     return sorted(dict.fromkeys(cfgs), key=dist)
 
