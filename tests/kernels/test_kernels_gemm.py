@@ -102,14 +102,22 @@ def make_operands(
     dtype=torch.bfloat16,
     batch: tuple[int, ...] = (),
 ) -> Operands:
-    """Activations [*batch, m, kd] quantized as scheme.a1 and weights [e, n, kd] as scheme.w1."""
+    """Activations [*batch, m, kd] quantized as scheme.a1 and weights [e, n, kd] as scheme.w1.
+
+    On a GPU the weights are drawn and quantized there (seeded from ``gen``): DeepSeek-V3's W13
+    is 7.5G values, ~30 s to draw on the host and 30 GB of host memory per test worker."""
     x = torch.randn(*batch, m, kd, generator=gen).to(dtype)
-    w = torch.randn(e, n, kd, generator=gen) * kd**-0.5
+    wgen = (
+        gen
+        if DEVICE == "cpu"
+        else torch.Generator(DEVICE).manual_seed(int(torch.randint(1 << 62, (1,), generator=gen)))
+    )
+    w = torch.randn(e, n, kd, generator=wgen, device=DEVICE) * kd**-0.5
     if scheme.w1 is None:
         wq = QTensor(w.to(dtype), (e, n, kd))
     else:
         g_idx = random_g_idx(e, kd, scheme.w1.granularity.group_size) if scheme.w1.act_order else None
-        wq = quantize(w, scheme.w1, g_idx=g_idx)
+        wq = quantize(w, scheme.w1, g_idx=None if g_idx is None else g_idx.to(DEVICE))
     if scheme.a1 is None:
         qa = QTensor(x, tuple(x.shape))
     else:
