@@ -104,20 +104,21 @@ def make_operands(
 ) -> Operands:
     """Activations [*batch, m, kd] quantized as scheme.a1 and weights [e, n, kd] as scheme.w1.
 
-    On a GPU the weights are drawn and quantized there (seeded from ``gen``): DeepSeek-V3's W13
-    is 7.5G values, ~30 s to draw on the host and 30 GB of host memory per test worker."""
+    On a GPU the weights are drawn and quantized there, 16 experts at a time (seeded from
+    ``gen``): DeepSeek-V3's W13 is 7.5G values, ~30 s to draw on the host, 30 GB per fp32 copy."""
     x = torch.randn(*batch, m, kd, generator=gen).to(dtype)
-    wgen = (
-        gen
-        if DEVICE == "cpu"
-        else torch.Generator(DEVICE).manual_seed(int(torch.randint(1 << 62, (1,), generator=gen)))
-    )
-    w = torch.randn(e, n, kd, generator=wgen, device=DEVICE) * kd**-0.5
-    if scheme.w1 is None:
-        wq = QTensor(w.to(dtype), (e, n, kd))
-    else:
-        g_idx = random_g_idx(e, kd, scheme.w1.granularity.group_size) if scheme.w1.act_order else None
-        wq = quantize(w, scheme.w1, g_idx=None if g_idx is None else g_idx.to(DEVICE))
+    g_idx = None
+    if scheme.w1 is not None and scheme.w1.act_order:
+        g_idx = random_g_idx(e, kd, scheme.w1.granularity.group_size)
+    chunk, wgen = max(e, 1), gen
+    if DEVICE != "cpu":
+        chunk, wgen = 16, torch.Generator(DEVICE).manual_seed(int(torch.randint(1 << 62, (1,), generator=gen)))
+    parts = []
+    for e0 in range(0, max(e, 1), chunk):
+        w = torch.randn(min(chunk, e - e0), n, kd, generator=wgen, device=DEVICE) * kd**-0.5
+        gi = None if g_idx is None else g_idx[e0 : e0 + w.shape[0]].to(DEVICE)
+        parts.append(QTensor(w.to(dtype), tuple(w.shape)) if scheme.w1 is None else quantize(w, scheme.w1, g_idx=gi))
+    wq = QTensor.cat(parts)
     if scheme.a1 is None:
         qa = QTensor(x, tuple(x.shape))
     else:

@@ -608,3 +608,17 @@ def test_expert_weights_round_trip(scheme):
         if gs:
             assert torch.equal(qa.global_scale, ew.a1_global_scale)
         assert ((dequantize(qa, scheme.a1) - x).norm() / x.norm()).item() < 0.11
+
+
+@pytest.mark.parametrize("scheme", [s for s in all_schemes() if s.w1 is not None], ids=lambda s: s.name)
+def test_cat_joins_expert_slices_back(scheme):
+    """``QTensor.cat`` is ``select``'s inverse: every stored field of every weight format has
+    the expert dim (the GPU tests and the bench quantize a few experts at a time)."""
+    g_idx = random_g_idx(3, 128, scheme.w1.granularity.group_size, seed=1) if scheme.w1.act_order else None
+    q = quantize(torch.randn(3, 16, 128, generator=torch.Generator().manual_seed(0)), scheme.w1, g_idx=g_idx)
+    back = QTensor.cat([q.select(e) for e in range(3)])
+    assert back.shape == q.shape and back.tensors().keys() == q.tensors().keys()
+    for name, t in q.tensors().items():
+        assert torch.equal(back.tensors()[name].view(torch.uint8), t.view(torch.uint8)), name
+    with pytest.raises(FusedMoEError, match="parts"):
+        QTensor.cat([])

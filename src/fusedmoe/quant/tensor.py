@@ -72,6 +72,22 @@ class QTensor:
             g_idx=pick(self.g_idx),
         )
 
+    @staticmethod
+    def cat(parts: list[QTensor]) -> QTensor:
+        """Expert slices (``select``'s inverse, or tensors quantized a few experts at a time so
+        that fp32 copies stay small) joined along the leading dim. A field without that dim
+        (a shared scale) is taken from the first part."""
+        expect(len(parts) > 0, "parts", "at least one QTensor", len(parts))
+
+        def join(name):
+            ts = [getattr(q, name) for q in parts]
+            if ts[0] is None or ts[0].dim() == 0 or ts[0].shape[0] != parts[0].shape[0]:
+                return ts[0]
+            return torch.cat(ts)
+
+        shape = (sum(q.shape[0] for q in parts), *parts[0].shape[1:])
+        return QTensor(join("data"), shape, join("scale"), join("zero"), join("global_scale"), join("g_idx"))
+
     def tensors(self) -> dict[str, torch.Tensor]:
         """The stored tensors by field name (None fields left out)."""
         out = {"data": self.data}

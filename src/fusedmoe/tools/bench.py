@@ -224,26 +224,14 @@ def bench_weights(config: MoEConfig, scheme: QuantScheme, device: str, chunk: in
     if len(parts) == 1:
         return parts[0]
 
-    def cat_q(qs: list[QTensor]) -> QTensor:
-        def cat(name):
-            ts = [getattr(q, name) for q in qs]
-            if ts[0] is None:
-                return None
-            if ts[0].shape[0] != qs[0].shape[0]:  # shared (per-tensor activation) scales
-                return ts[0]
-            return torch.cat(ts)
-
-        shape = (sum(q.shape[0] for q in qs), *qs[0].shape[1:])
-        return QTensor(cat("data"), shape, cat("scale"), cat("zero"), cat("global_scale"), cat("g_idx"))
-
     def cat_t(name):
         ts = [getattr(p, name) for p in parts]
         return None if ts[0] is None else torch.cat(ts)
 
     w = parts[0]
     return ExpertWeights(
-        cat_q([p.w13 for p in parts]),
-        cat_q([p.w2 for p in parts]),
+        QTensor.cat([p.w13 for p in parts]),
+        QTensor.cat([p.w2 for p in parts]),
         cat_t("b13"),
         cat_t("b2"),
         w.a1_scale,
