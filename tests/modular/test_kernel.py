@@ -269,3 +269,33 @@ def test_cpu_backend_fp32_gemms_match_the_half_precision_ones(dtype, upcast, mon
     half = torch.empty(64, 96, dtype=dtype)
     CpuExperts(config, s).apply(d.a, d.topk, prob.weights, half)
     assert rel_error(out, half) <= tolerance(s, dtype) / 4
+
+
+ONE_TOKEN_CASES = [
+    # (label, config, ids of the token; experts 0, 2, 4, 6 are local to EP rank 0 of 2, round robin)
+    ("ep_some_local", MoEConfig(8, 4, 64, 32), [[6, 1, 2, 3]]),
+    ("ep_repeated_id_and_out_of_range", MoEConfig(8, 4, 64, 32, has_bias=True), [[4, 4, 9, 5]]),
+    ("ep_none_local", MoEConfig(8, 2, 64, 32), [[1, 7]]),
+    ("weight_on_input", MoEConfig(8, 1, 64, 32, apply_router_weight_on_input=True, dtype=torch.float16), [[2]]),
+]
+
+
+@pytest.mark.parametrize("scheme", SCHEMES[:3] + SCHEMES[5:6], ids=lambda s: s.name)
+@pytest.mark.parametrize("case", ONE_TOKEN_CASES, ids=lambda c: c[0])
+def test_cpu_backend_one_token_path_matches_reference(case, scheme, monkeypatch):
+    """T = 1 takes the path without sort, gather or scatter (``CpuExperts._one_token``): it matches
+    the float64 reference with an expert map whose -1 entries (and an id outside [0, E)) drop pairs,
+    a repeated id, biases, top-k weights applied on the input, and quantized weights/activations;
+    a token none of whose experts is local gets exactly 0."""
+    _, config, ids = case
+    par = ParallelConfig(ep_size=2, ep_rank=0, placement="round_robin")
+    emap = par.expert_map(8)
+    prob = make_problem(config, scheme, 1, seed=3, expert_map=emap, num_local_experts=4)
+    prob.topk_ids = torch.tensor(ids, dtype=torch.int32)
+    monkeypatch.setattr(CpuExperts, "_grouped", lambda *a: pytest.fail("T = 1 took the grouped path"))
+    out = _run(prob, "local", "cpu")
+    ref = prob.reference()
+    if case[0] == "ep_none_local":
+        assert torch.equal(out, torch.zeros_like(out))
+    else:
+        assert rel_error(out, ref) <= tolerance(scheme, config.dtype)
