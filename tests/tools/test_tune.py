@@ -324,10 +324,11 @@ W4_CONFIGS = [LaunchConfig(32, 64, 128, 1, 4, 3, w_major=1), LaunchConfig(1, 32,
 
 @pytest.mark.parametrize("scheme", ["int4_g32", "mxfp4"])
 @pytest.mark.parametrize("shape", list(W4_SHAPES.values()), ids=list(W4_SHAPES))
-def test_w4_steps_plan_as_the_layer_does(shape, scheme):
+def test_w4_steps_plan_as_the_layer_does(shape, scheme, monkeypatch):
     """4-bit steps: weights in the w4 layout, the layer's untuned config as the heuristic, GEMM1's
     output [pairs, I] (the fused activation), and the workers' specialisation equal to the main
     process's (recorded, not launched)."""
+    monkeypatch.setattr(tuned_configs, "current_gpu", lambda: None)  # no table: the layer's heuristic
     combo = Combo("small", scheme, tuple(sorted(shape.items())))
     config, sch = preset_config("small", **shape), QuantScheme.by_name(scheme)
     weights = operands.layer_weights(config, sch, "cpu")
