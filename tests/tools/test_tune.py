@@ -338,6 +338,7 @@ def test_w4_steps_plan_as_the_layer_does(shape, scheme, monkeypatch):
         for gemm in ("w13", "w2"):
             main = operands.step_operands(config, sch, weights, gemm, t, "cpu", ids, rw)
             assert main.w4 and main.key == f"{scheme.split('_')[0]}_g32_w4"
+            assert main.routing(16).pair_blocks == (t == 1)  # the layer's T = 1: no moe_align
             layer_cfg = w4_launch_config(main.pairs, config.num_experts, main.n, main.kd, main.w.q, gated=gemm == "w13")
             assert main.heuristic() == layer_cfg
             assert main.out.shape == (main.pairs, config.intermediate_size if gemm == "w13" else main.n)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ...experts.triton import TritonExperts
-from ...kernels.align import moe_align, moe_align_ref
+from ...kernels.align import moe_align, moe_align_ref, pair_blocks
 from ...kernels.gemm_format import ActEpilogue, GemmCall, GemmFormat, scheme_key
 from ...kernels.grouped_gemm import grouped_gemm
 from ...kernels.grouped_gemm_w4 import default_w4_config, fit_w4_config, w4_gemm_launch, w4_scheme_key
@@ -101,9 +101,14 @@ class StepOperands:
         return self.ids.numel()
 
     def routing(self, bm: int):
-        if bm not in self.routes:  # the reference is bit-identical, and quick on a CPU
-            align = moe_align_ref if self.ref_align or self.ids.device.type == "cpu" else moe_align
-            self.routes[bm] = align(self.ids, self.e, bm)
+        """The pairs' blocks as the layer makes them: one block per pair at T = 1
+        (``TritonExperts.pair_blocks_tokens``), else aligned by expert."""
+        if bm not in self.routes:
+            if self.ids.shape[0] <= TritonExperts.pair_blocks_tokens:
+                self.routes[bm] = pair_blocks(self.ids, bm)
+            else:  # the reference is bit-identical, and quick on a CPU
+                align = moe_align_ref if self.ref_align or self.ids.device.type == "cpu" else moe_align
+                self.routes[bm] = align(self.ids, self.e, bm)
         return self.routes[bm]
 
     def fit(self, cfg: LaunchConfig) -> LaunchConfig:
