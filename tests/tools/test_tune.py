@@ -390,6 +390,15 @@ def test_w4_split_k_partials_are_what_the_layer_sums():
     assert not torch.equal(parts[0], parts[1])  # two halves of K, not one result twice
 
 
+def test_a_cpu_without_the_interpreter_plans_without_launching(monkeypatch):
+    """No kernel can launch there, and the op would compute its float reference at full size
+    (minutes for a ``--dry-run`` of the shipped presets): the job stays unkeyed, nothing runs."""
+    monkeypatch.setattr(probe, "interpreting", lambda: False)
+    monkeypatch.setattr(probe, "worker_operands", lambda *a: pytest.fail("operands built"))
+    job = probe.Job(Combo("tiny-a", "bf16"), "w13", 4096, LaunchConfig(), "cpu")
+    assert probe.job_spec(job) == ("unkeyed", job)
+
+
 @pytest.mark.skipif(not (torch.cuda.is_available() or interpreting()), reason="no kernel launches to probe")
 def test_probing_sees_the_launch_through_the_kernels_interception_point():
     op = operands.worker_operands(Combo("tiny-a", "bf16"), "w13", 4, "cpu")

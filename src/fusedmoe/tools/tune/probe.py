@@ -117,9 +117,12 @@ class Warmed:
 
 
 def job_spec(job: Job, mode: str = "record") -> tuple:
-    """The job's specialisation; ("unkeyed", job) where none was seen (a CPU without the
-    interpreter launches nothing; a Triton whose internals ``spec_key`` cannot read gives
-    "no key"), so jobs never merge then."""
+    """The job's specialisation; ("unkeyed", job) where none is seen (a CPU without the
+    interpreter launches no kernel: not even tried, since the op would compute its float
+    reference at full size instead, minutes for a ``--dry-run`` of the shipped presets; a Triton
+    whose internals ``spec_key`` cannot read gives "no key"), so jobs never merge then."""
+    if job.device == "cpu" and not interpreting():
+        return ("unkeyed", job)
     op = worker_operands(job.combo, job.gemm, job.t, job.device)
     with probing(mode) as specs:
         launch(op, job.cfg, op.routing(job.cfg.block_m))
