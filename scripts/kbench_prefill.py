@@ -229,8 +229,8 @@ class Bench:
         every = candidates(op, sname, self.selftest)
         if key not in best:  # the sweep
             cands = every
-        else:  # its two fastest, the 64-row tile, the fp8 + group-scale output
-            extra = [c for c in every if c[0] == "bm64" or c[0].endswith("_g128")]
+        else:  # its two fastest, the 64-row tiles, the fp8 + group-scale output
+            extra = [c for c in every if c[0] in ("bm64", "bm64n128") or c[0].endswith("_g128")]
             cands = best[key][:2] + [c for c in extra if c not in best[key][:2]]
         timed = []
         for label, cfg in cands:
@@ -504,10 +504,11 @@ _BASES = {"bf16": (128, 256, 64, 8, 3), "fp8_tensor": (128, 256, 128, 8, 3), "fp
 
 
 def candidates(op: Op, sname: str, selftest: bool) -> list:
-    """<= 7 persistent configs: the scheme's base tile; its other stage count; without the flattened
+    """<= 8 persistent configs: the scheme's base tile; its other stage count; without the flattened
     loop; A by slot through TMA (warp specialization is declined: wrong results on an H100); half
-    the columns; a 64-row tile for fewer rows per expert (last: the other T keep it); for fp8_block GEMM1 the
-    fp8 + 1x128 group-scale output (64 x 128 output columns: a piece must hold whole groups).
+    the columns; 64-row tiles for fewer rows per expert (last: the other T keep them; for fp8_block
+    also 64 x 128, one weight block per step); for fp8_block GEMM1 the fp8 + 1x128 group-scale
+    output (64 x 128 output columns: a piece must hold whole groups).
     Under a gated activation BN counts output columns, each reading a gate and an up W row."""
     from fusedmoe.kernels.launch_config import LaunchConfig, fit_launch_config
 
@@ -525,6 +526,8 @@ def candidates(op: Op, sname: str, selftest: bool) -> list:
         ("sorted", base),
         ("mid", cfg(128, width // 2, 8, 4)),
     ]
+    if sname == "fp8_block":
+        out.append(("bm64n128", cfg(64, 128, 4, 4)))  # one 128 x 128 weight block per tile and K step
     if sname == "fp8_block" and op.gemm == "gemm1":
         out.append(("bm64_g128", cfg(64, 256, 8, 4)))
     out.append(("bm64", cfg(64, 256, 4 if sname != "fp8_block" else 8, 4)))

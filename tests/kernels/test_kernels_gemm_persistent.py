@@ -39,8 +39,8 @@ from test_kernels_gemm import BY_NAME, DEVICE, HAS_CUDA, _static_scale, _tol, ch
 from fusedmoe.config import Activation
 from fusedmoe.kernels._common import interpreting
 from fusedmoe.kernels.align import moe_align_ref
-from fusedmoe.kernels.gemm_format import ActEpilogue, GemmCall, GemmFormat
-from fusedmoe.kernels.grouped_gemm import grouped_gemm, grouped_gemm_batched_ref, grouped_gemm_ref
+from fusedmoe.kernels.gemm_format import ActEpilogue, GemmCall, GemmFormat, block_uniform
+from fusedmoe.kernels.grouped_gemm import grouped_gemm, grouped_gemm_batched_ref, grouped_gemm_launch, grouped_gemm_ref
 from fusedmoe.kernels.grouped_gemm_persistent import GroupQuantEpilogue, persistent_gemm_launch, supports
 from fusedmoe.kernels.launch_config import LaunchConfig, fit_launch_config
 from fusedmoe.quant import Granularity, Operand, QDtype, QTensor, QuantScheme, TensorQuant, fake_quantize, quantize
@@ -202,7 +202,8 @@ def run(p: Run) -> None:
         out_scale = poison_(torch.empty(*ref.shape[:-1], -(-ref.shape[-1] // g), device=DEVICE))
         scale = out_scale
     call = GemmCall(bias=bias, route_weights=rw, act=ep, act_scale=scale, **layout)
-    persistent_gemm_launch(_operand(a, a_scale, ops.a), ops.w, out, fmt, cfg, call)
+    launch = persistent_gemm_launch if cfg.persistent else grouped_gemm_launch  # (the plain kernel: W_UNIFORM)
+    launch(_operand(a, a_scale, ops.a), ops.w, out, fmt, cfg, call)
     if group:
         g = ep.quant.granularity.group_size
         written = ~ref.isnan().all(dim=-1)
@@ -270,6 +271,35 @@ def test_act_epilogue(act, interleaved):
     """Every activation, GEMM1 shape (I = 48: a partial N tile), bias and router weight."""
     n = 96 if act.is_gated else 48
     run(Run(SCHEMES["bf16"], gemm="gemm1", n=n, kd=64, act=_ep(act, interleaved)))
+
+
+# One weight scale per K step where a tile's W rows lie in one block (``block_uniform``), else a
+# scale per column: (scheme, W rows, gated act, interleaved, BN, uniform), both kernels run each.
+_UNIFORM_CASES = {
+    "plain_bn32_in_128": ("fp8_block", 64, False, False, 32, True),
+    "plain_bn32_over_16": ("fp8_block16x64", 64, False, False, 32, False),
+    "split_i64_bn32": ("fp8_block64x64", 128, True, False, 32, True),
+    "split_i48_bn32": ("fp8_block64x64", 96, True, False, 32, False),  # up rows start mid-tile
+    "interleaved_span64_in_64": ("fp8_block64x64", 128, True, True, 32, True),
+    "interleaved_span128_over_64": ("fp8_block64x64", 128, True, True, 64, False),
+    "int8_blocks_split": ("int8_w8a8_block", 128, True, False, 32, True),
+}
+
+
+@needs_triton
+@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "plain"])
+@pytest.mark.parametrize("case", list(_UNIFORM_CASES))
+def test_block_uniform_scales(case, persistent):
+    """Block-scaled w8a8 with one scalar weight scale per step where the tile allows it, and the
+    per-column form where it does not (the flag is checked, then the result against float64)."""
+    scheme, n, gated, il, bn, want = _UNIFORM_CASES[case]
+    sch = SCHEMES[scheme]
+    act = _ep(Activation.SILU, il) if gated else None
+    out_cols = n // 2 if gated else n
+    fmt = GemmFormat.of(sch.w1, sch.a1, n, 128)
+    assert block_uniform(fmt, bn, out_cols, act) is want
+    cfg = dataclasses.replace(CFG, block_n=bn, persistent=persistent)
+    run(Run(sch, gemm="gemm1" if gated else "gemm2", n=n, kd=128, act=act, cfg=cfg))
 
 
 _OUT_CASES = {  # (scheme, output quant, interleaved)

@@ -111,7 +111,7 @@ def _layer_case(scheme: str, config: MoEConfig, monkeypatch) -> None:
 
 
 @needs_triton
-@pytest.mark.parametrize("scheme", ["bf16", "int4_g128", "mxfp4"])
+@pytest.mark.parametrize("scheme", ["bf16", "fp8_block", "int4_g128", "mxfp4"])
 def test_layer_at_t1_takes_pair_blocks(scheme, monkeypatch):
     _layer_case(scheme, MoEConfig(num_experts=8, top_k=4, hidden_size=128, intermediate_size=128), monkeypatch)
 

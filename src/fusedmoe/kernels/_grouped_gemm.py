@@ -228,6 +228,7 @@ def _mac(
     ws_base,
     cols,
     col_ok,
+    col0,
     k0,
     stride_ask,
     stride_wsn,
@@ -236,22 +237,37 @@ def _mac(
     A_GROUP: tl.constexpr,
     W_BN: tl.constexpr,
     W_BK: tl.constexpr,
+    W_UNIFORM: tl.constexpr,
     NATIVE: tl.constexpr,
     INT_ACC: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
 ):
-    """acc + a @ b (tl.dot) for W rows ``cols``, with native w8a8's per-K scales on the partial product."""
+    """acc + a @ b (tl.dot) for W rows ``cols`` (the first: ``col0``), with native w8a8's per-K
+    scales on the partial product. W_UNIFORM: the rows lie in one W_BN block (``block_uniform``),
+    so the step's weight scale is one scalar and the scaled add is one FFMA per element, with the
+    row scale times that scalar made once per row; else a [BN] scale vector, an FMUL and an FFMA
+    per element (sm_90 SASS of a 128 x 128 fp8-block tile: 64 FMUL + 64 FFMA per thread a step)."""
     if NATIVE and (A_GROUP > 0 or W_BK > 0):
         if W_FMT == "int8":
             part = tl.dot(a, b, out_dtype=tl.int32).to(tl.float32)
         else:
             part = tl.dot(a, b)
         if A_GROUP > 0:
-            part *= tl.load(as_row_ptr + (k0 // A_GROUP) * stride_ask, mask=row_ok, other=0)[:, None]
-        if W_BK > 0:
-            s_blk = tl.load(ws_base + (cols // W_BN) * stride_wsn + (k0 // W_BK) * stride_wsk, mask=col_ok, other=0)
-            part *= s_blk[None, :]
-        acc += part
+            s_a = tl.load(as_row_ptr + (k0 // A_GROUP) * stride_ask, mask=row_ok, other=0)
+        if W_UNIFORM:
+            s = tl.load(ws_base + (col0 // W_BN) * stride_wsn + (k0 // W_BK) * stride_wsk)
+            if A_GROUP > 0:
+                s = s_a * s
+                acc += part * s[:, None]
+            else:
+                acc += part * s
+        else:
+            if A_GROUP > 0:
+                part *= s_a[:, None]
+            if W_BK > 0:
+                s_blk = tl.load(ws_base + (cols // W_BN) * stride_wsn + (k0 // W_BK) * stride_wsk, mask=col_ok, other=0)
+                part *= s_blk[None, :]
+            acc += part
     elif INT_ACC:
         acc = tl.dot(a, b, acc, out_dtype=tl.int32)
     elif DOT_DTYPE == tl.float32:
@@ -320,11 +336,11 @@ def _gate_up_cols(offs_n, N, GATED: tl.constexpr, INTERLEAVED: tl.constexpr):
 
 @triton.jit
 def _w_step(
-    acc, a, cols, n_ok, k0, offs_k, k_ok, KD, num_w_groups, w_base, ws_base, wz_base, g_base, as_row_ptr, row_ok,
-    stride_wn, stride_wk, stride_wsn, stride_wsk, stride_gk, stride_ask,
-    W_FMT: tl.constexpr, A_GROUP: tl.constexpr, W_BN: tl.constexpr, W_BK: tl.constexpr, ACT_ORDER: tl.constexpr,
-    HAS_ZERO: tl.constexpr, NATIVE_DOT: tl.constexpr, INT_ACC: tl.constexpr, FMA: tl.constexpr,
-    OP_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    acc, a, cols, n_ok, col0, k0, offs_k, k_ok, KD, num_w_groups, w_base, ws_base, wz_base, g_base, as_row_ptr,
+    row_ok, stride_wn, stride_wk, stride_wsn, stride_wsk, stride_gk, stride_ask,
+    W_FMT: tl.constexpr, A_GROUP: tl.constexpr, W_BN: tl.constexpr, W_BK: tl.constexpr, W_UNIFORM: tl.constexpr,
+    ACT_ORDER: tl.constexpr, HAS_ZERO: tl.constexpr, NATIVE_DOT: tl.constexpr, INT_ACC: tl.constexpr,
+    FMA: tl.constexpr, OP_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """One K step of the W rows ``cols`` (the gate rows, or the up rows): (their tile, ``acc``).
     The dot path multiplies the tile into ``acc`` here; the FMA path leaves ``acc`` as it is and
@@ -336,8 +352,8 @@ def _w_step(
     )  # fmt: skip
     if not FMA:
         acc = _mac(
-            acc, a, b, as_row_ptr, row_ok, ws_base, cols, n_ok, k0, stride_ask, stride_wsn, stride_wsk,
-            W_FMT, A_GROUP, W_BN, W_BK, NATIVE_DOT, INT_ACC, OP_DTYPE,
+            acc, a, b, as_row_ptr, row_ok, ws_base, cols, n_ok, col0, k0, stride_ask, stride_wsn, stride_wsk,
+            W_FMT, A_GROUP, W_BN, W_BK, W_UNIFORM, NATIVE_DOT, INT_ACC, OP_DTYPE,
         )  # fmt: skip
     return b, acc
 
@@ -432,6 +448,7 @@ def _grouped_gemm_kernel(
     W_FMT: tl.constexpr,  # "float" | "fp8" | "int8" | "int4" | "mxfp4" | "nvfp4"
     W_BN: tl.constexpr,  # 0, 0: one scale per column (tensor/channel); else W_BN x W_BK blocks
     W_BK: tl.constexpr,
+    W_UNIFORM: tl.constexpr,  # a tile's W rows lie in one W_BN block: one weight scale per K step (_mac)
     ACT_ORDER: tl.constexpr,  # the group of W column k is g_idx[e, k], not k // W_BK
     HAS_ZERO: tl.constexpr,  # int4 zero points (else the symmetric 8)
     HAS_A_GSCALE: tl.constexpr,
@@ -494,6 +511,7 @@ def _grouped_gemm_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     g_cols, u_cols = _gate_up_cols(offs_n, N, GATED, INTERLEAVED)
+    g0, u0 = _gate_up_cols(pid_n * BLOCK_N, N, GATED, INTERLEAVED)  # the first of each (W_UNIFORM)
     a_row_ptr = a_ptr + e * stride_ae + a_rows * stride_am
     as_row_ptr = a_scale_ptr + e * stride_ase + a_rows * stride_asm
     w_base = w_ptr + e * stride_we
@@ -533,16 +551,18 @@ def _grouped_gemm_kernel(
         # it comes; FMA dequantizes the [BN, BK] gate (and up) tiles, then makes one pass over
         # A's rows for both accumulators (_fma_rows)
         b, acc = _w_step(
-            acc, a, g_cols, n_ok, k0, offs_k, k_ok, KD, num_w_groups, w_base, ws_base, wz_base, g_base, as_row_ptr,
-            row_ok, stride_wn, stride_wk, stride_wsn, stride_wsk, stride_gk, stride_ask,
-            W_FMT, A_GROUP, W_BN, W_BK, ACT_ORDER, HAS_ZERO, NATIVE_DOT, INT_ACC, FMA, OP_DTYPE, BLOCK_N, BLOCK_K,
+            acc, a, g_cols, n_ok, g0, k0, offs_k, k_ok, KD, num_w_groups, w_base, ws_base, wz_base, g_base,
+            as_row_ptr, row_ok, stride_wn, stride_wk, stride_wsn, stride_wsk, stride_gk, stride_ask,
+            W_FMT, A_GROUP, W_BN, W_BK, W_UNIFORM, ACT_ORDER, HAS_ZERO, NATIVE_DOT, INT_ACC, FMA, OP_DTYPE, BLOCK_N,
+            BLOCK_K,
         )  # fmt: skip
         b_u = b
         if GATED:
             b_u, acc_u = _w_step(
-                acc_u, a, u_cols, n_ok, k0, offs_k, k_ok, KD, num_w_groups, w_base, ws_base, wz_base, g_base,
+                acc_u, a, u_cols, n_ok, u0, k0, offs_k, k_ok, KD, num_w_groups, w_base, ws_base, wz_base, g_base,
                 as_row_ptr, row_ok, stride_wn, stride_wk, stride_wsn, stride_wsk, stride_gk, stride_ask,
-                W_FMT, A_GROUP, W_BN, W_BK, ACT_ORDER, HAS_ZERO, NATIVE_DOT, INT_ACC, FMA, OP_DTYPE, BLOCK_N, BLOCK_K,
+                W_FMT, A_GROUP, W_BN, W_BK, W_UNIFORM, ACT_ORDER, HAS_ZERO, NATIVE_DOT, INT_ACC, FMA, OP_DTYPE,
+                BLOCK_N, BLOCK_K,
             )  # fmt: skip
         if FMA:
             acc, acc_u = _fma_rows(acc, acc_u, a, b, b_u, GATED, BLOCK_M)

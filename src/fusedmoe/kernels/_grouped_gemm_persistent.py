@@ -250,6 +250,7 @@ def _persistent_gemm_kernel(
     W_FMT: tl.constexpr,  # "float" | "fp8" | "int8"
     W_BN: tl.constexpr,  # 0, 0: one scale per column (tensor/channel); else W_BN x W_BK blocks
     W_BK: tl.constexpr,
+    W_UNIFORM: tl.constexpr,  # the accumulator's W rows lie in one W_BN block (``_mac``)
     HAS_BIAS: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
     NATIVE: tl.constexpr,  # w8a8: the stored bytes feed tl.dot
@@ -305,7 +306,8 @@ def _persistent_gemm_kernel(
         ws_base = w_scale_ptr + e * stride_wse
         n0 = pid_n * BLOCK_N
         w_row = (e * N_W).to(tl.int32) + (2 * n0 if WIDE else n0)  # gate rows (or gate/up pairs)
-        g_cols = w_row - (e * N_W).to(tl.int32) + tl.arange(0, BNL)  # W rows of the accumulator's columns
+        g0 = w_row - (e * N_W).to(tl.int32)  # the expert's W row of the accumulator's first column
+        g_cols = g0 + tl.arange(0, BNL)  # W rows of the accumulator's columns
         g_ok = g_cols < N_W  # columns past N are masked at the store; these keep scale loads in bounds
         u_cols = g_cols + N
         u_ok = u_cols < N_W
@@ -319,14 +321,14 @@ def _persistent_gemm_kernel(
                         BLOCK_K)  # fmt: skip
             b = _w_operand(w_desc, w_row, k0, W_FMT, NATIVE, DOT_DTYPE)
             acc = _mac(
-                acc, a, b, as_row_ptr, row_ok, ws_base, g_cols, g_ok, k0, stride_ask, stride_wsn, stride_wsk,
-                W_FMT, A_GROUP, W_BN, W_BK, NATIVE, INT_ACC, DOT_DTYPE,
+                acc, a, b, as_row_ptr, row_ok, ws_base, g_cols, g_ok, g0, k0, stride_ask, stride_wsn, stride_wsk,
+                W_FMT, A_GROUP, W_BN, W_BK, W_UNIFORM, NATIVE, INT_ACC, DOT_DTYPE,
             )  # fmt: skip
             if GATED and not INTERLEAVED:
                 b_u = _w_operand(w_desc, w_row + N, k0, W_FMT, NATIVE, DOT_DTYPE)
                 acc_u = _mac(
-                    acc_u, a, b_u, as_row_ptr, row_ok, ws_base, u_cols, u_ok, k0, stride_ask, stride_wsn, stride_wsk,
-                    W_FMT, A_GROUP, W_BN, W_BK, NATIVE, INT_ACC, DOT_DTYPE,
+                    acc_u, a, b_u, as_row_ptr, row_ok, ws_base, u_cols, u_ok, g0 + N, k0, stride_ask, stride_wsn,
+                    stride_wsk, W_FMT, A_GROUP, W_BN, W_BK, W_UNIFORM, NATIVE, INT_ACC, DOT_DTYPE,
                 )  # fmt: skip
 
         if WIDE:  # columns 2j, 2j + 1 of the accumulator are gate and up of output column j

@@ -248,6 +248,20 @@ class RowBlocks:
         return w, (0, w.stride(0))
 
 
+def block_uniform(fmt: GemmFormat, block_n: int, n: int, act: ActEpilogue | None) -> bool:
+    """Whether every accumulator of a tile BN output columns wide reads W rows of one W_BN x W_BK
+    block row (so a K step has one weight scale, ``_grouped_gemm._mac``). A tile starts at a
+    multiple of its W-row span (BN, or 2BN for interleaved gate/up pairs), so it stays inside one
+    block when the span divides W_BN; the split layout's up rows start N rows further, so N must
+    be a multiple of BN too. Only native w8a8 with block scales uses it (DeepSeek-V3's 128 x 128:
+    every tile of BN 32-128)."""
+    if not (fmt.native and fmt.w_bn > 0 and fmt.w_bk > 0):
+        return False
+    gated = act is not None and act.activation.is_gated
+    span = 2 * block_n if gated and act.gate_up_interleaved else block_n
+    return fmt.w_bn % span == 0 and not (gated and not act.gate_up_interleaved and n % block_n)
+
+
 def shared_constexprs(
     fmt: GemmFormat,
     cfg: LaunchConfig,
@@ -256,10 +270,11 @@ def shared_constexprs(
     bias: torch.Tensor | None,
     route_weights: torch.Tensor | None,
     out_quant: str,
+    n: int,
 ) -> dict:
     """The constexprs and launch options that both grouped-GEMM kernels (``_grouped_gemm``,
     ``_grouped_gemm_persistent``) take under the same names, from the same sources (``bias``
-    and ``route_weights``: the launch's, or None)."""
+    and ``route_weights``: the launch's, or None; ``n``: C's columns)."""
     return {
         "BATCHED": batched,
         "A_FMT": fmt.a_fmt,
@@ -267,6 +282,7 @@ def shared_constexprs(
         "W_FMT": fmt.w_fmt,
         "W_BN": fmt.w_bn,
         "W_BK": fmt.w_bk,
+        "W_UNIFORM": block_uniform(fmt, cfg.block_n, n, act),
         "NATIVE": fmt.native,
         "HAS_BIAS": bias is not None,
         "MUL_ROUTED_WEIGHT": route_weights is not None,

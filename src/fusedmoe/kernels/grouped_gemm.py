@@ -159,7 +159,7 @@ def grouped_gemm_launch(
         HAS_W_GSCALE=wg is not None,
         DOT_DTYPE=dot_dtype,
         PAIR_BLOCKS=routing is not None and routing.pair_blocks,
-        **shared_constexprs(fmt, cfg, act, batched, bias, route_weights, out_quant),
+        **shared_constexprs(fmt, cfg, act, batched, bias, route_weights, out_quant, n),
     )
 
 

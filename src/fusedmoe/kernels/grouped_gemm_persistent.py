@@ -303,5 +303,5 @@ def persistent_gemm_launch(
         SUBTILE=cfg.epilogue_subtile,
         FLATTEN=cfg.flatten and not cfg.warp_specialize,  # fused loops are not specialized
         WARP_SPECIALIZE=cfg.warp_specialize,
-        **shared_constexprs(fmt, cfg, act, batched, bias, route_weights, out_quant),
+        **shared_constexprs(fmt, cfg, act, batched, bias, route_weights, out_quant, n),
     )
