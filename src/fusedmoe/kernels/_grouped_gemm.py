@@ -12,7 +12,8 @@ Operands meet in one of three ways (constexprs ``NATIVE`` and ``FMA``):
 
 * w8a8 (fp8 x fp8, int8 x int8), BM >= 16: the stored bytes go to ``tl.dot``; scales
   that vary along K (1 x g activation groups, bn x bk weight blocks) multiply each
-  K step's partial product (BK divides the group, so one scale per step), the
+  K step's partial product (BK divides the group, so one scale per step; where the
+  tile's W rows lie in one weight block, one FFMA per element: ``_mac``), the
   others (tensor, token, channel) multiply the accumulator once at the end.
 * everything else, BM >= 16: both tiles are dequantized in registers to DOT_DTYPE (the
   model dtype, bf16 for quantized activations, fp32 under the interpreter whose

@@ -42,11 +42,12 @@ dtype; static per-tensor fp8/int8 codes (``quant_linear``); or fp8 codes with a 
 scale per 1 x OUT_GROUP group (amax / 448, as ``fusedmoe.quant`` and ``act_quant`` compute it),
 written with the [rows, ceil(N / OUT_GROUP)] fp32 scales (a piece holds whole groups).
 
-What ptxas makes of it for sm_90 (offline compiles, ``tests/sm90_compile.py``; not yet timed):
+What ptxas makes of it for sm_90 (offline compiles, ``tests/kernels/sm90_compile.py``):
 wgmma (HGMMA/QGMMA) for BM >= 64 (BM 16/32 fall back to mma.sync), W by TMA (UTMALDG), gathered
 A by cp.async. 128 x 256 accumulators at 8 warps: bf16 207-255 registers, 144 KiB of shared
 memory at 3 stages, no spills; fp8 with block scales keeps each K step's partial product beside
-the accumulator and spilled 344-536 bytes at 128 x 256, none at 128 x 128. ``warp_specialize``
+the accumulator and spilled 344-536 bytes at 128 x 256, none at 128 x 128 (227 registers there,
+with one weight scale per step: ``_mac``'s W_UNIFORM; timed on an H200, PERF_LOG 2026-11-28). ``warp_specialize``
 (on the K loop) gives 1 producer + 2 consumer warpgroups (12 warps, 168 registers) only for
 4-warp programs with A through TMA, without ``flatten``; Triton 3.6's pass fails on gathered
 A, on the interleaved split at BM 128 and on BM 64 x 256-row W tiles (the launcher refuses
