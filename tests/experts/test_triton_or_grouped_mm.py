@@ -62,16 +62,24 @@ def test_refusals_name_the_part(rule):
     )
 
 
-def test_shipped_h100_row_keeps_triton_first():
-    """Measured on an H100 with the persistent kernel: triton first at every size (thresholds.py)."""
+@pytest.mark.parametrize(
+    "gpu, who",
+    [
+        pytest.param("NVIDIA H100 80GB HBM3", "NVIDIA H100 80GB HBM3", id="h100-own-row"),
+        pytest.param("NVIDIA H200", "NVIDIA H200", id="h200-own-row"),
+        pytest.param("NVIDIA H800", "sm90", id="other-sm90-arch-row"),
+    ],
+)
+@pytest.mark.parametrize("sname", ["bf16", "fp8_tensor"])
+def test_shipped_sm90_rows_keep_triton_first(gpu, who, sname):
+    """Measured on an H100 and an H200 with the persistent kernel: triton first at every size,
+    Mixtral's wide experts included (thresholds.py); other sm90 GPUs take the arch row."""
     import dataclasses
 
     wide = MoEConfig(8, 2, 4096, 14336)
-    h100 = dataclasses.replace(SM90, name="NVIDIA H100 80GB HBM3")
-    why = TritonOrGroupedMMExperts.why_not(wide, QuantScheme.unquantized(), h100)
-    assert "triton was faster at every size measured on NVIDIA H100 80GB HBM3 unquantized, up to 4096" in why
-    h200 = dataclasses.replace(SM90, name="NVIDIA H200")  # no row of its own: the sm90 rule
-    assert TritonOrGroupedMMExperts.why_not(wide, QuantScheme.unquantized(), h200) is None
+    scheme = QuantScheme.by_name(sname)
+    why = TritonOrGroupedMMExperts.why_not(wide, scheme, dataclasses.replace(SM90, name=gpu))
+    assert f"triton was faster at every size measured on {who} {scheme.family}, up to 4096" in why
 
 
 @pytest.mark.gpu

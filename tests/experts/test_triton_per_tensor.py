@@ -1,6 +1,8 @@
 """The triton experts with a per-tensor dynamic a2 scale: the rows of h that GEMM1 does not write
-(pairs of experts held elsewhere, ids outside [0, E)) must not reach the abs-max, whether they
-are zero-filled (small h) or skipped by a row mask (large h: ``_MASK_OVER_FILL_BYTES``)."""
+(pairs of experts held elsewhere, ids outside [0, E)) must not reach the abs-max. With the
+activation in GEMM1 the abs-max is raised by GEMM1's own stores (``ActEpilogue.track_amax``);
+unfused (``act_and_quantize``), the rows are zero-filled (small h) or skipped by a row mask (large
+h: ``_MASK_OVER_FILL_BYTES``), both forced here."""
 
 from __future__ import annotations
 
@@ -54,3 +56,21 @@ def test_unwritten_h_rows_do_not_reach_the_scale(monkeypatch, case, rows_skipped
     experts.apply(d.a, topk, prob.weights, out, expert_map=emap, workspace=ws)
     assert torch.isfinite(out).all(), label
     assert rel_error(out, prob.reference()) <= tolerance(scheme, config.dtype), label
+
+
+@pytest.mark.parametrize(
+    "cfg, pieces",
+    [
+        pytest.param(dict(block_m=128, block_n=128, persistent=True), 2, id="persistent-128x128-split"),
+        pytest.param(dict(block_m=128, block_n=64, persistent=True), 1, id="persistent-128x64-kept"),
+        pytest.param(dict(block_m=64, block_n=128, persistent=True), 1, id="persistent-64x128-kept"),
+        pytest.param(dict(block_m=128, block_n=128, persistent=False), 1, id="plain-kernel-kept"),
+    ],
+)
+def test_amax_epilogue_pieces(cfg, pieces):
+    """GEMM1 raising the abs-max takes the persistent epilogue of a 128 x >= 128 tile in two
+    pieces (``_amax_subtile``: the tables were tuned without the abs-max's registers)."""
+    from fusedmoe.kernels.launch_config import LaunchConfig
+
+    base = LaunchConfig(cfg["block_m"], cfg["block_n"], 128, 8, 8, 3, persistent=cfg["persistent"])
+    assert triton_experts._amax_subtile(base).epilogue_subtile == pieces

@@ -329,7 +329,8 @@ def test_act_and_quantize_row_mask(a2):
     if tq is None:
         assert rel_error(data[keep].cpu(), ref) <= ACT_TOL["none"]
         return
-    rows = QTensor(q.data[keep].cpu(), tuple(ref.shape), scale=q.scale if q.scale.numel() == 1 else q.scale[keep])
+    scale = (q.scale if q.scale.numel() == 1 else q.scale[keep]).cpu()
+    rows = QTensor(q.data[keep].cpu(), tuple(ref.shape), scale=scale)
     assert torch.isfinite(rows.scale.float()).all()
     torch.testing.assert_close(rows.scale.float().cpu(), ref.scale.float(), rtol=1e-5, atol=0)
     assert rel_error(dequantize(rows, tq).cpu(), dequantize(ref, tq)) <= ACT_TOL[tq.dtype.value.split("_")[0]]

@@ -87,22 +87,36 @@ def test_align_kernel_equals_ref(case, block_m, path, monkeypatch):
     check_invariants(got, ids, case.e)
 
 
+@needs_triton
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("blocks_per_step", [1, 4, 16], ids=lambda b: f"{b}-blocks-a-step")
+@pytest.mark.parametrize("block_m", [1, 4])
+@pytest.mark.parametrize("case", EDGE_CASES, ids=[c.label for c in EDGE_CASES])
+def test_block_experts_over_many_steps(case, block_m, blocks_per_step, path, monkeypatch):
+    """block_expert labelled a few blocks per step (the shipped step covers the tiny cases in one):
+    runs that end inside a step, on its first block, past it, and empty experts."""
+    monkeypatch.setattr(align_mod, "_BLOCK_B", blocks_per_step)
+    ids = _ids(case, seed=3).to(DEVICE)
+    got = moe_align_launch(ids, case.e, block_m, one_launch=PATHS[path])
+    ref = moe_align_ref(ids, case.e, block_m)
+    for f in FIELDS:
+        assert torch.equal(getattr(got, f), getattr(ref, f)), f
+
+
 @pytest.fixture
-def launches(monkeypatch):
-    """Names of the align kernels launched, in order."""
+def launches():
+    """Names of the align kernels launched, in order (through the launch interceptor, so the GPU's
+    direct-launch path is covered too)."""
+    from fusedmoe.kernels.launch import intercept_launches
+
     names = []
 
-    class Counting:
-        def __init__(self, name, kernel):
-            self.name, self.kernel = name, kernel
+    def record(kernel, grid, args, kwargs):
+        names.append(kernel.fn.__name__)
+        kernel[grid](*args, **kwargs)
 
-        def __getitem__(self, grid):
-            names.append(self.name)
-            return self.kernel[grid]
-
-    for n in ("_align_one_kernel", "_align_count_kernel", "_align_offsets_kernel", "_align_scatter_kernel"):
-        monkeypatch.setattr(align_mod, n, Counting(n, getattr(align_mod, n)))
-    return names
+    with intercept_launches(record):
+        yield names
 
 
 @needs_triton
@@ -135,9 +149,21 @@ def test_align_one_launch_needs_one_chunk():
 
 
 @needs_triton
-@pytest.mark.parametrize("chunk", [16, 64])
-def test_align_many_chunks(chunk):
+@pytest.mark.parametrize(
+    "chunk, tile",
+    [
+        pytest.param(16, None, id="10-chunks-one-step"),
+        pytest.param(64, None, id="3-chunks-one-step"),
+        # 8 bins: 4 chunks per step of the offsets kernel, 10 chunks = 3 steps, the last one
+        # partial (the running bases carry over steps)
+        pytest.param(16, 32, id="10-chunks-steps-of-4"),
+        pytest.param(16, 8, id="10-chunks-steps-of-1"),
+    ],
+)
+def test_align_many_chunks(chunk, tile, monkeypatch):
     """Pairs of one expert spread over several chunks keep flat-index order."""
+    if tile is not None:
+        monkeypatch.setattr(align_mod, "_OFFSETS_TILE", tile)
     g = torch.Generator().manual_seed(1)
     ids = random_topk(50, 7, 3, g)[0].to(DEVICE)  # 150 pairs, prime E
     got = moe_align_launch(ids, 7, 16, chunk=chunk)  # several chunks: the three kernels

@@ -323,6 +323,58 @@ def test_act_epilogue_quantized(case, batched):
     run(Run(SCHEMES[scheme], gemm="gemm1", n=192, kd=64, act=_ep(Activation.SILU, il, quant), counts=counts, cfg=cfg))
 
 
+# GEMM1 raising the abs-max of its model-dtype output (``ActEpilogue.track_amax``, the per-tensor
+# dynamic a2): (scheme, batched counts or None, expert map or None, the buffer's value before,
+# epilogue pieces of the persistent kernel)
+_AMAX_CASES = {
+    "fp8_tensor_from_zero": ("fp8_tensor", None, None, 0.0, 1),
+    "fp8_tensor_two_pieces": ("fp8_tensor", None, None, 0.0, 2),
+    "bf16_start_above_stays": ("bf16", None, None, 1e30, 1),
+    "fp8_tensor_expert_map": ("fp8_tensor", None, (-1, 0, -1, 1, 2, -1, -1, 3), 0.0, 2),
+    "fp8_tensor_batched_empty_expert": ("fp8_tensor", (5, 0, 20), None, 0.0, 1),
+}
+
+
+@needs_triton
+@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "plain"])
+@pytest.mark.parametrize("case", list(_AMAX_CASES))
+def test_act_epilogue_tracks_amax(case, persistent):
+    """C is the same bytes as without tracking, and the buffer ends at max(its value, the abs-max
+    of the values stored): rows GEMM1 does not write (NaN-poisoned: another rank's pairs, a
+    batched expert's rows past its count, padding) never reach it. Two N tiles (I = 96 at BN 64),
+    the second partial, so several programs race on the atomic."""
+    scheme, counts, emap, start, pieces = _AMAX_CASES[case]
+    sch, gen = SCHEMES[scheme], torch.Generator().manual_seed(5)
+    n, kd, e, k, t = 192, 64, 8, 2, 9
+    cfg = dataclasses.replace(CFG, block_n=64, persistent=persistent, epilogue_subtile=pieces)
+    if counts is not None:
+        e, m_max = len(counts), 20
+        ops = make_operands(sch, m_max, e, n, kd, gen, batch=(e,))
+        layout = dict(counts=torch.tensor(counts, dtype=torch.int32, device=DEVICE))
+        shape = (e, m_max, n // 2)
+    else:
+        ids = random_topk(t, e, k, gen)[0].to(DEVICE)
+        e_map = None if emap is None else torch.tensor(emap, dtype=torch.int32, device=DEVICE)
+        e_l = e if emap is None else sum(x >= 0 for x in emap)
+        ops = make_operands(sch, t, e_l, n, kd, gen)
+        layout = dict(routing=moe_align_ref(ids, e_l, cfg.block_m, expert_map=e_map), a_div=k)
+        shape = (t * k, n // 2)
+    fmt = GemmFormat.of(ops.w.quant, ops.a.quant, n, kd)
+    launch = persistent_gemm_launch if persistent else grouped_gemm_launch
+    outs = []
+    for track in (False, True):
+        ep = dataclasses.replace(_ep(Activation.SILU, False), track_amax=track)
+        amax = torch.full((1,), start, dtype=torch.float32, device=DEVICE)
+        out = poison_(torch.empty(shape, dtype=torch.bfloat16, device=DEVICE))
+        launch(ops.a, ops.w, out, fmt, cfg, GemmCall(act=ep, act_scale=amax if track else None, **layout))
+        outs.append(out)
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16)), "C changed by tracking"
+    written = ~outs[1].isnan().all(dim=-1)
+    assert 0 < int(written.sum()) and (emap is None and counts is None or not bool(written.all()))
+    want = max(torch.tensor(start, dtype=torch.float32).item(), outs[1][written].float().abs().max().item())
+    assert amax.item() == want
+
+
 @needs_triton
 @pytest.mark.parametrize("subtile", [1, 2])
 @pytest.mark.parametrize("scheme", ["bf16", "fp8_block"])

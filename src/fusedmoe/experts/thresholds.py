@@ -28,9 +28,16 @@ backends as providers, benchmarks/results/layer_h100_crossover_2026-11-25.md), g
 time over triton's at T = 1-16384 (up to 4096 tokens per expert) on the four presets:
 bf16 1.01-1.88, fp8 per-tensor 1.02-1.86 except DeepSeek-V3 at 8 and 32 tokens per expert
 (0.92, 0.97). Triton is now first at every size on the H100 (its own row,
-``Crossover(None, ...)``). A GPU's own row wins over its architecture's: the H200's tables
-predate the persistent kernel, so it keeps the sm90 rule measured on it on 2026-11-21 until
-it is re-tuned and re-measured; sm100 is not measured.
+``Crossover(None, ...)``).
+
+The H200, re-tuned with the persistent kernel (2026-11-28) and measured the same way
+(benchmarks/results/layer_h200_crossover_2026-11-28.md, T = 16-16384): grouped_mm's time over
+triton's bf16 1.03-1.75, fp8 per-tensor 1.03-1.76, no cell below 1. The old sm90 rule had kept
+Mixtral fp8 at T >= 256 and bf16 at T >= 4096 on grouped_mm there: Mixtral fp8 T = 1024 ran
+1.33 ms where triton takes 0.93. Both sm90 GPUs measured say triton first, so the sm90 row says
+so too (an sm90 GPU with a different compute / bandwidth balance, e.g. an H20, is not measured:
+give it its own row when it is). A GPU's own row wins over its architecture's; sm100 is not
+measured.
 """
 
 from __future__ import annotations
@@ -59,9 +66,13 @@ GROUPED_MM_CROSSOVER: dict[tuple[str, str], Crossover | None] = {
     # H100, 2026-11-25, tables tuned with the persistent kernel (layer_h100_crossover_2026-11-25)
     ("NVIDIA H100 80GB HBM3", "unquantized"): Crossover(tokens_per_expert=None, measured_up_to=4096),
     ("NVIDIA H100 80GB HBM3", "fp8"): Crossover(tokens_per_expert=None, measured_up_to=4096),
-    # H200, 2026-11-21, tables without the persistent kernel (layer_h200_graphs_2026-11-21)
-    ("sm90", "unquantized"): Crossover(tokens_per_expert=1024, min_intermediate_size=8192),
-    ("sm90", "fp8"): Crossover(tokens_per_expert=64, min_intermediate_size=8192),
+    # H200, 2026-11-28, tables tuned with the persistent kernel (layer_h200_crossover_2026-11-28)
+    ("NVIDIA H200", "unquantized"): Crossover(tokens_per_expert=None, measured_up_to=4096),
+    ("NVIDIA H200", "fp8"): Crossover(tokens_per_expert=None, measured_up_to=4096),
+    # other sm90 GPUs: what both measured sm90 GPUs say (the 2026-11-21 rule, grouped_mm from 64
+    # (fp8) / 1024 (bf16) tokens per expert at I >= 8192, was measured before the persistent kernel)
+    ("sm90", "unquantized"): Crossover(tokens_per_expert=None, measured_up_to=4096),
+    ("sm90", "fp8"): Crossover(tokens_per_expert=None, measured_up_to=4096),
     ("sm100", "unquantized"): None,
     ("sm100", "fp8"): None,
 }

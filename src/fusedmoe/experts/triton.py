@@ -18,20 +18,22 @@ Fused activation (the default): GEMM1 applies the activation in its epilogue
 known before its values (a2 not quantized, or static per-tensor fp8/int8) the epilogue also
 quantizes and writes a2 [T*K, I] directly: one launch fewer (two with an expert map or the
 batched layout, whose h is zero-filled first). A per-tensor dynamic scale needs the whole
-tensor first: GEMM1 writes act(h) [T*K, I] in the model dtype and ``quantize_activations``
-follows with its two passes, which read half the bytes that ``act_and_quantize``'s two passes
-over h [T*K, 2I] read (Mixtral fp8 at T = 4096 on an H100: 470 MB of h written and read twice
-became 235 MB, the layer 3,163 -> 2,965 us; the activation is rounded to the model dtype once
-before Q_a2). Per-row dynamic scales (per token, 1x128 groups, MX/NV blocks) keep GEMM1 plain
-and ``act_and_quantize`` (one pass): GEMM1 with the activation takes half the tile width, and
-that was slower at a few hundred tokens (fp8 blocks, T = 256: Qwen3 276 -> 321 us, gpt-oss
-405 -> 472 us with the activation in GEMM1).
+tensor first: GEMM1 writes act(h) [T*K, I] in the model dtype and raises its abs-max as it
+stores it (``ActEpilogue.track_amax``: an atomic integer max per tile into a zeroed fp32 [1]),
+and ``quantize_activations`` follows with one pass, the codes. Before, act(h) was read twice
+after GEMM1 (abs-max, then codes), and before that h [T*K, 2I] twice by ``act_and_quantize``
+(Mixtral fp8 at T = 4096 on an H100: 470 MB of h written and read twice became 235 MB, the
+layer 3,163 -> 2,965 us); the activation is rounded to the model dtype once before Q_a2,
+and the abs-max is of the rounded values. Per-row dynamic scales (per token, 1x128 groups,
+MX/NV blocks) keep GEMM1 plain and ``act_and_quantize`` (one pass): GEMM1 with the
+activation takes half the tile width, and that was slower at a few hundred tokens (fp8
+blocks, T = 256: Qwen3 276 -> 321 us, gpt-oss 405 -> 472 us with the activation in GEMM1).
 ``FUSEDMOE_FUSE_ACT=0`` (read when the experts are built) or ``experts.fuse_act = False``
 turns the fusion off, for comparison. The fused GEMM1 takes the plain GEMM1's launch
 config with BN halved (``gated_act_config``), so a program reads the same W13 rows.
 
-Workspace (``workspace``, declared from the shapes): h [T*K, 2I] (unfused), h_act [T*K, I] (fused
-with a per-tensor dynamic a2: act(h) before Q_a2) and y
+Workspace (``workspace``, declared from the shapes): h [T*K, 2I] (unfused), h_act [T*K, I] and
+a2_amax [1] (fused with a per-tensor dynamic a2: act(h) before Q_a2, and its abs-max) and y
 [T*K, H] in the model dtype, a2 [T*K, I] quantized as scheme.a2 (plus its row scales);
 ``MoEKernel`` chunking bounds T. Given a workspace (``MoEKernel.allocate``), ``apply``
 writes into it and allocates none of these. Batched layout: the same two GEMMs over
@@ -41,10 +43,11 @@ weights and scatters); its workspace is h (unfused only) and a2 for E_l * M rows
 Rows that no local pair writes (pairs that contribute nothing: ids outside [0, E), experts
 mapped outside [0, E_l), see ``metadata.TopK``; batched rows past the counts) are never
 read as outputs: GEMM2 reads the rows of local pairs only and ``moe_sum`` skips the
-others. Where a per-tensor dynamic a2 scale (an abs-max over every row) would see them,
-they are zero-filled before GEMM1 (small h and the batched layout) or left out by a row
-mask of the local pairs (``_MASK_OVER_FILL_BYTES``), so it never sees uninitialised
-memory (zeros leave an abs-max unchanged); with a reused workspace
+others. A per-tensor dynamic a2 scale never sees them: with the fused activation its abs-max
+is raised by GEMM1's stores alone; unfused (``act_and_quantize`` over h) they are
+zero-filled before GEMM1 (small h and the batched layout) or left out by a row mask of the
+local pairs (``_MASK_OVER_FILL_BYTES``), so it never sees uninitialised memory (zeros leave
+an abs-max unchanged); with a reused workspace
 such rows hold the previous call's values. Other a2 scales are per row: a stale row
 only makes its own, unread, output.
 
@@ -162,6 +165,20 @@ class _Plan:
         return self.lc1.block_m == self.lc2.block_m
 
 
+def _amax_subtile(cfg: LaunchConfig) -> LaunchConfig:
+    """GEMM1's config when its epilogue also raises the abs-max (``track_amax``): the persistent
+    kernel's 128 x >= 128 tiles take their epilogue in two column pieces. The tables were tuned
+    with the plain epilogue, and the abs-max's extra live registers spill there (sm_90 compiles,
+    ``tests/kernels/sm90_compile.py``, fp8, 8 warps): gpt-oss-20b's interleaved 128 x 128 (x 2 W
+    rows) tile 232 -> 496 bytes in one piece, 48 in two; the split 128 x 128 silu tile 0 -> 16;
+    BM 64 tiles none either way. Measured on an H200 (layer, fp8 per-tensor, two pieces against
+    one): gpt-oss T = 4096 / 16384 1.270 -> 1.123 / 4.233 -> 3.855 ms (128 x 256 tables), but
+    T = 1024 (64 x 256) 0.455 -> 0.480, hence BM 128 only."""
+    if cfg.persistent and cfg.epilogue_subtile == 1 and cfg.block_m >= 128 and cfg.block_n >= 128:
+        return replace(cfg, epilogue_subtile=2)
+    return cfg
+
+
 _PLANS_KEPT = 64  # distinct pair counts planned per experts instance (prefill lengths vary)
 
 
@@ -181,8 +198,8 @@ class _TritonBase(Experts):
         self._epilogue = None
         if ActEpilogue.supports(scheme.a2):
             self._epilogue = ActEpilogue.of(config, scheme.a2)
-        elif _tensor_dynamic(scheme.a2):
-            self._epilogue = ActEpilogue.of(config, None)
+        elif _tensor_dynamic(scheme.a2):  # act(h) in the model dtype, its abs-max raised by the epilogue
+            self._epilogue = replace(ActEpilogue.of(config, None), track_amax=True)
         self._plans: dict[tuple, _Plan] = {}
         # 4-bit weights the w4 kernel runs (converted by prepare_weights); None: why not
         why = w4_supports(scheme.w1, scheme.a1, config.dtype) or w4_supports(scheme.w2, scheme.a2, config.dtype)
@@ -218,7 +235,8 @@ class _TritonBase(Experts):
                 lc2 = self._launch_config(rows, e_l, h, i, sch.w2, sch.a2)
                 if self.layout is TokenLayout.STANDARD:  # aligned once, with GEMM1's BM: GEMM2 is tuned under it
                     lc2 = replace(lc2, block_m=lc1.block_m)
-            plan = _Plan(gated_act_config(lc1) if gated else lc1, lc2)
+            lc1 = gated_act_config(lc1) if gated else lc1
+            plan = _Plan(_amax_subtile(lc1) if ep is not None and ep.track_amax else lc1, lc2)
             if len(self._plans) >= _PLANS_KEPT:
                 self._plans.clear()
             self._plans[key] = plan
@@ -239,22 +257,26 @@ class _TritonBase(Experts):
 
     def _gemm1_act(self, a, weights, ep: ActEpilogue, rows: int, workspace, gemm, local_pairs=None, **kw) -> QTensor:
         """a2 [rows, I] from GEMM1 with the activation in its epilogue (``gemm`` is the standard or
-        batched op): quantized there, or by ``quantize_activations`` after it for a dynamic a2.
-        ``local_pairs``: the standard layout's row mask of the pairs GEMM1 writes (``_unwritten_rows``)."""
+        batched op): quantized there, or, for a per-tensor dynamic a2, by one pass of
+        ``quantize_activations`` after it over the abs-max the epilogue raised (``track_amax``).
+        ``local_pairs`` (with an expert map): the rows that pass needs, the others being another
+        rank's (up to (EP - 1) / EP of them); rows GEMM1 leaves unwritten are otherwise quantized
+        into codes GEMM2 never reads."""
         cfg, sch = self.config, self.scheme
         i, dev = cfg.intermediate_size, a.data.device
-        a2_after = sch.a2 is not None and ep.quant is None  # a per-tensor dynamic scale: after GEMM1
-        scale = weights.act_scales("a2", sch.a2).get("scale") if ep.quant is not None else None
-        if a2_after:
+        if ep.track_amax:  # only the rows GEMM1 writes reach the abs-max: no fill, no row mask
             data = take(workspace, "h_act", (rows, i), cfg.dtype, dev)
-            row_mask = _unwritten_rows(data, sch.a2, local_pairs)
+            scale = take(workspace, "a2_amax", (1,), torch.float32, dev).zero_()
         else:
             data = take(workspace, "a2", (rows, i), ep.out_dtype(cfg.dtype), dev)
+            scale = weights.act_scales("a2", sch.a2).get("scale") if ep.quant is not None else None
         out = data if a.data.dim() == 2 else data.view(*a.data.shape[:2], i)  # batched: [E_l, M, I]
         gemm(Operand(a, sch.a1), Operand(weights.w13, sch.w1), bias=weights.b13, out=out, act=ep, act_scale=scale, **kw)
-        if a2_after:
+        if ep.track_amax:
             a2_out = _a2_out(workspace, sch.a2, rows, i, dev)
-            return quantize_activations(data, sch.a2, out=a2_out, row_mask=row_mask, **weights.act_scales("a2", sch.a2))
+            row_mask = None if local_pairs is None else local_pairs()
+            a2_scales = weights.act_scales("a2", sch.a2)
+            return quantize_activations(data, sch.a2, out=a2_out, row_mask=row_mask, amax=scale, **a2_scales)
         return QTensor(data, (rows, i), scale=None if scale is None else scale.reshape(1, 1).float())
 
     def _workspace(self, rows: int) -> Workspace:
@@ -262,8 +284,9 @@ class _TritonBase(Experts):
         shapes = {}
         if ep is None:
             shapes["h"] = ((rows, c.w13_rows), c.dtype)
-        elif self.scheme.a2 is not None and ep.quant is None:  # act(h), quantized after GEMM1 (per tensor)
+        elif ep.track_amax:  # act(h), quantized after GEMM1 (per tensor), and its abs-max
             shapes["h_act"] = ((rows, c.intermediate_size), c.dtype)
+            shapes["a2_amax"] = ((1,), torch.float32)
         shapes.update(quantized_layout("a2", self.scheme.a2, rows, c.intermediate_size, c.dtype))
         return Workspace(shapes)
 
@@ -304,7 +327,8 @@ class TritonExperts(_TritonBase):
         local_pairs = partial(_local_pairs, ids, e_l, expert_map)
         if ep is not None:
             kw = dict(routing=routing, a_div=k, config=plan.lc1)
-            a2 = self._gemm1_act(a, weights, ep, pairs, workspace, grouped_gemm, local_pairs, **kw)
+            mask = None if expert_map is None else local_pairs
+            a2 = self._gemm1_act(a, weights, ep, pairs, workspace, grouped_gemm, mask, **kw)
         else:
             h = take(workspace, "h", (pairs, cfg.w13_rows), cfg.dtype, dev)
             row_mask = _unwritten_rows(h, sch.a2, local_pairs)

@@ -57,6 +57,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._act_quant import _abs_bits
 from ._common import apply_act, e2m1_to_f32, e8m0_to_f32, quant_linear, unpack_nibbles
 
 
@@ -390,6 +391,25 @@ def _act_epilogue(
     return acc
 
 
+@triton.jit
+def _store_c(c_ptrs, acc, c_mask, c_scale_ptr, OUT_QUANT: tl.constexpr, EXACT_CAST: tl.constexpr):
+    """Store the fp32 tile ``acc`` as C: in C's dtype ("none"); in C's dtype with the abs-max of
+    the stored values raised into ``c_scale_ptr`` ("amax", ``ActEpilogue.track_amax``: an integer
+    max of |bits|, order-free and NaN-keeping as ``act_quant``'s first pass); or as static fp8 /
+    int8 codes of the scale at ``c_scale_ptr``."""
+    if OUT_QUANT == "none" or OUT_QUANT == "amax":
+        v = acc.to(c_ptrs.dtype.element_ty)
+        tl.store(c_ptrs, v, mask=c_mask)
+        if OUT_QUANT == "amax":
+            tile = tl.max(tl.max(tl.where(c_mask, _abs_bits(v.to(tl.float32)), 0), axis=1), axis=0)
+            # relaxed: nothing in this launch reads the buffer (the next launch does, after the
+            # kernel boundary), and the default acq_rel fence would wait for the persistent
+            # kernel's loads of its next tile already in flight
+            tl.atomic_max(c_scale_ptr.to(tl.pointer_type(tl.int32)), tile, sem="relaxed")
+    else:
+        tl.store(c_ptrs, quant_linear(acc, tl.load(c_scale_ptr), OUT_QUANT, EXACT_CAST), mask=c_mask)
+
+
 # num_experts only bounds pair-block ids: not specialised, so a binary serves any E (the tuner's
 # workers compile with 2 experts' weights what the main process runs with E)
 @triton.jit(do_not_specialize=["num_experts"])
@@ -405,7 +425,7 @@ def _grouped_gemm_kernel(
     bias_ptr,
     route_w_ptr,
     c_ptr,
-    c_scale_ptr,  # OUT_QUANT: the static per-tensor fp32 scale of C
+    c_scale_ptr,  # OUT_QUANT "fp8"/"int8": C's static fp32 scale [1], read; "amax": C's abs-max [1], raised
     sorted_ids_ptr,
     block_expert_ptr,
     counts_ptr,
@@ -461,7 +481,7 @@ def _grouped_gemm_kernel(
     ACT: tl.constexpr,  # "none" | an Activation value, applied in the epilogue
     GATED: tl.constexpr,  # ACT takes a gate and an up row (Activation.is_gated)
     INTERLEAVED: tl.constexpr,  # gated ACT: gate/up are W rows 2n, 2n+1 (else n, N + n)
-    OUT_QUANT: tl.constexpr,  # "none" | "fp8" | "int8": C quantized with c_scale_ptr
+    OUT_QUANT: tl.constexpr,  # "none" | "amax" (abs-max tracked) | "fp8" | "int8": C quantized with c_scale_ptr
     EXACT_CAST: tl.constexpr,  # the interpreter: encode fp8 by hand (see _common.e4m3_bits)
     BLOCK_M: tl.constexpr,  # < 16: the FMA path (module docstring)
     BLOCK_N: tl.constexpr,
@@ -576,7 +596,4 @@ def _grouped_gemm_kernel(
     )  # fmt: skip
     c_ptrs = c_ptr + e * stride_ce + c_rows[:, None] * stride_cm + offs_n[None, :] * stride_cn
     c_mask = row_ok[:, None] & n_ok[None, :]
-    if OUT_QUANT == "none":
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
-    else:
-        tl.store(c_ptrs, quant_linear(acc, tl.load(c_scale_ptr), OUT_QUANT, EXACT_CAST), mask=c_mask)
+    _store_c(c_ptrs, acc, c_mask, c_scale_ptr, OUT_QUANT, EXACT_CAST)

@@ -38,7 +38,8 @@ loads and two accumulators; interleaved (gate 2n, up 2n + 1), one [2BN, BK] load
 
 Epilogue, per column piece (``SUBTILE`` pieces of BN / SUBTILE columns, to bound live
 registers): remaining scales, bias, activation, router weight, then one of: a store in C's
-dtype; static per-tensor fp8/int8 codes (``quant_linear``); or fp8 codes with a dynamic
+dtype (with its abs-max raised, ``ActEpilogue.track_amax``); static per-tensor fp8/int8 codes
+(``quant_linear``); or fp8 codes with a dynamic
 scale per 1 x OUT_GROUP group (amax / 448, as ``fusedmoe.quant`` and ``act_quant`` compute it),
 written with the [rows, ceil(N / OUT_GROUP)] fp32 scales (a piece holds whole groups).
 
@@ -61,7 +62,7 @@ import triton.language as tl
 
 from ._act_quant import _abs_bits, _scale_of
 from ._common import quant_linear
-from ._grouped_gemm import _act_epilogue, _gate_up_cols, _mac
+from ._grouped_gemm import _act_epilogue, _gate_up_cols, _mac, _store_c
 
 
 @triton.jit
@@ -212,21 +213,19 @@ def _epilogue_piece(
     c_row_ptr = c_ptr + e * stride_ce + c_rows * stride_cm
     c_ptrs = c_row_ptr[:, None] + offs_n[None, :] * stride_cn
     c_mask = row_ok[:, None] & n_ok[None, :]
-    if OUT_QUANT == "none":
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
-    elif OUT_QUANT == "fp8_group":
+    if OUT_QUANT == "fp8_group":
         cs_row_ptr = c_scale_ptr + e * stride_cse + c_rows * stride_csm
         _store_group_fp8(acc, c_mask, c_ptrs, cs_row_ptr, row_ok, n0, num_groups, stride_csg, EXACT_CAST, OUT_GROUP,
                          PIECE_N)  # fmt: skip
     else:
-        tl.store(c_ptrs, quant_linear(acc, tl.load(c_scale_ptr), OUT_QUANT, EXACT_CAST), mask=c_mask)
+        _store_c(c_ptrs, acc, c_mask, c_scale_ptr, OUT_QUANT, EXACT_CAST)
 
 
 @triton.jit
 def _persistent_gemm_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, route_w_ptr,
     c_ptr,
-    c_scale_ptr,  # OUT_QUANT "fp8"/"int8": the static scale [1], read; "fp8_group": [rows, G], written
+    c_scale_ptr,  # OUT_QUANT "fp8"/"int8": static scale [1], read; "fp8_group": [rows, G], written; "amax": [1], raised
     sorted_ids_ptr, block_expert_ptr, num_padded_ptr, counts_ptr,
     N,  # columns of C (I under a gated ACT, whose W has N_W = 2N rows)
     N_W, KD, num_pairs, a_div, m_max, blocks_per_expert,
@@ -259,7 +258,7 @@ def _persistent_gemm_kernel(
     ACT: tl.constexpr,  # "none" | an Activation value
     GATED: tl.constexpr,  # ACT takes a gate and an up row (Activation.is_gated)
     INTERLEAVED: tl.constexpr,
-    OUT_QUANT: tl.constexpr,  # "none" | "fp8" | "int8" (static) | "fp8_group" (dynamic 1 x OUT_GROUP)
+    OUT_QUANT: tl.constexpr,  # "none" | "amax" | "fp8" | "int8" (static) | "fp8_group" (dynamic 1 x OUT_GROUP)
     OUT_GROUP: tl.constexpr,
     EXACT_CAST: tl.constexpr,
     BLOCK_M: tl.constexpr,

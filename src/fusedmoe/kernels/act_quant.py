@@ -17,12 +17,15 @@ model dtype (2 bytes per element each way) and one launch. The references are
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ..activations import apply_activation
 from ..config import Activation, MoEConfig
 from ..errors import expect
 from ..quant import QDtype, QTensor, TensorQuant, quantize
+from ..quant.linear import FP8_MAX, INT8_MAX
 from ._act_quant import _act_quant_kernel
 from ._common import cdiv, interpreting, next_power_of_2
 from .launch import launch
@@ -94,15 +97,19 @@ def act_quant_launch(
     out_dtype: torch.dtype | None = None,
     out: QTensor | torch.Tensor | None = None,
     row_mask: torch.Tensor | None = None,
+    amax: torch.Tensor | None = None,
 ) -> QTensor | torch.Tensor:
     """Launch ``_act_quant_kernel`` (twice for per-tensor dynamic scales, or once, one program,
-    where one tile holds the tensor: ``_one_program_tile``).
+    where one tile holds the tensor: ``_one_program_tile``; once over the grid where ``amax``
+    is given).
 
     ``activation`` is an ``Activation`` value or "none" (plain quantization of ``x``).
     ``out``: buffers to write (what this function returns; allocated when None).
     ``row_mask``: bool [M], the rows to compute; the others are neither read nor written
     (their output rows keep whatever they held) and a per-tensor dynamic scale covers only
     the rows computed.
+    ``amax``: a per-tensor dynamic scale's abs-max of ``x``, already there (fp32 [1], as the first
+    pass leaves it; raised by GEMM1's epilogue, ``ActEpilogue.track_amax``): only the codes pass runs.
     """
     # 101 lines: maps every tensor to the kernel's pointers, strides and constexprs in its argument order; split, that
     # order would be spread over several functions.
@@ -116,6 +123,9 @@ def act_quant_launch(
     if row_mask is not None:
         expect(tuple(row_mask.shape) == (m,) and row_mask.dtype == torch.bool, "row_mask", f"bool [{m}]", row_mask)
     quant, kind, group = _kind(tq, scale)
+    if amax is not None:
+        expect(kind == "tensor_dyn", "amax", "given only for a per-tensor dynamic scale", tq)
+        expect(amax.dtype == torch.float32 and amax.numel() == 1, "amax", "an fp32 [1] abs-max", amax)
     dev = x.device
     data_dtype = {"none": out_dtype or x.dtype, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
     data_dtype.update(mxfp8=torch.float8_e4m3fn, nvfp4=torch.uint8)
@@ -142,14 +152,16 @@ def act_quant_launch(
         s_shape = {"tensor_dyn": (1, 1), "token": (m, 1)}.get(kind, (m, cdiv(cols, max(group, 1))))
         s_out = torch.empty(s_shape, dtype=s_dtype, device=dev) if out is None else out.scale
         expect(tuple(s_out.shape) == s_shape and s_out.dtype == s_dtype, "out.scale", f"{s_shape} {s_dtype}", s_out)
-    if (m == 0 or cols == 0) and kind == "tensor_dyn":
+    if (m == 0 or cols == 0) and kind == "tensor_dyn" and amax is None:
         s_out.fill_(1.0)  # the amax of nothing is 0, whose scale is 1 (quant.linear)
     if m > 0 and cols > 0:
-        tile = _one_program_tile(m, cols) if kind == "tensor_dyn" else None
+        known = amax is not None
+        tile = _one_program_tile(m, cols) if kind == "tensor_dyn" and not known else None
         one = tile is not None
         bm, bk = tile if one else _tiles(kind, group, m)
         grid = (1, 1) if one else (cdiv(m, bm), 1 if kind == "token" else cdiv(cols, bk))
-        amax = torch.zeros(1, dtype=torch.float32, device=dev) if kind == "tensor_dyn" and not one else data
+        if not known:
+            amax = torch.zeros(1, dtype=torch.float32, device=dev) if kind == "tensor_dyn" and not one else data
         s_arg = data if s_out is None else s_out.view(torch.uint8) if s_out.dtype == torch.float8_e4m3fn else s_out
         q_arg = data.view(torch.uint8) if data.dtype == torch.float8_e4m3fn else data
         args = (
@@ -182,7 +194,7 @@ def act_quant_launch(
         if one:
             launch(_act_quant_kernel, grid, *args, PASS=0, **meta)
         else:
-            if kind == "tensor_dyn":
+            if kind == "tensor_dyn" and not known:
                 launch(_act_quant_kernel, grid, *args, PASS=1, **meta)
             launch(_act_quant_kernel, grid, *args, PASS=2, **meta)
     if quant == "none":
@@ -221,19 +233,25 @@ def quantize_activations(
     global_scale: torch.Tensor | None = None,
     out: QTensor | None = None,
     row_mask: torch.Tensor | None = None,
+    amax: torch.Tensor | None = None,
 ) -> QTensor:
     """Quantize rows ``x`` [M, K] as ``tq`` says (dynamic scales computed on the device).
 
     ``scale``: the static per-tensor scale when ``tq`` is not dynamic; ``global_scale``:
     the NVFP4 global scale (required for nvfp4); ``out``: buffers to fill; ``row_mask``
-    (bool [M]): only these rows are read and written (``act_quant_launch``). On the CPU
-    without the interpreter this is ``quantize_activations_ref``.
+    (bool [M]): only these rows are read and written; ``amax``: a per-tensor dynamic
+    scale's abs-max, already known (``act_quant_launch``). On the CPU without the
+    interpreter this is ``quantize_activations_ref``.
     """
     if not _use_kernel(x):
-        return _fill(
-            out, quantize_activations_ref(_zero_masked(x, row_mask), tq, scale=scale, global_scale=global_scale)
-        )
-    return act_quant_launch(x, tq, scale=scale, global_scale=global_scale, out=out, row_mask=row_mask)
+        if amax is not None:  # the scale the kernel makes of it (quant.linear's rule)
+            qmax = FP8_MAX if tq.dtype is QDtype.FP8 else INT8_MAX
+            a = amax.reshape(1, 1).float()
+            scale = torch.where(a > 0, a / qmax, torch.where(a.isnan(), a, torch.ones_like(a)))
+            tq = replace(tq, dynamic=False)
+        ref = quantize_activations_ref(_zero_masked(x, row_mask), tq, scale=scale, global_scale=global_scale)
+        return _fill(out, ref)
+    return act_quant_launch(x, tq, scale=scale, global_scale=global_scale, out=out, row_mask=row_mask, amax=amax)
 
 
 def _zero_masked(x: torch.Tensor, row_mask: torch.Tensor | None) -> torch.Tensor:

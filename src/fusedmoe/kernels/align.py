@@ -31,7 +31,8 @@ from .launch import launch
 # one launch of _align_one_kernel.
 _MAX_CHUNK = 1024
 _FILL = 1024  # sentinel slots written per program and loop step
-_BLOCK_B = 64  # blocks labelled per step of the offsets kernel
+_BLOCK_B = 512  # blocks labelled per step of the offsets kernel (one step up to T*K ~ 32K at BM 64)
+_OFFSETS_TILE = 8192  # chunk counts per step of the offsets kernel (64 a thread at 4 warps)
 
 
 def _check(topk_ids: torch.Tensor, num_local_experts: int, block_m: int, expert_map) -> None:
@@ -141,6 +142,7 @@ def moe_align_launch(
         BLOCK_M=block_m,
         BINS=bins,
         BLOCK_B=_BLOCK_B,
+        CB=min(next_power_of_2(num_chunks), max(1, _OFFSETS_TILE // bins)),
         num_warps=4,
     )
     launch(

@@ -103,6 +103,10 @@ class ActEpilogue:
     interleaved) and writes C [M, I]; a ``*_no_mul`` one maps [E, I, H] to [M, I].
     ``quant``: None (C in the model dtype) or a static per-tensor fp8/int8 ``TensorQuant``
     whose scale comes as ``act_scale``: C = Q(act(h) (* router weight)).
+    ``track_amax`` (C in the model dtype): the launch also raises ``act_scale`` (fp32 [1],
+    zeroed before the call's first GEMM1 launch) to the abs-max of C's written values as
+    stored (an atomic integer max of their |bits|, so a NaN is kept and the order of programs
+    does not matter): what a per-tensor dynamic scale of C needs, without a pass over C.
     """
 
     activation: Activation = Activation.SILU
@@ -110,6 +114,7 @@ class ActEpilogue:
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     quant: TensorQuant | None = None
+    track_amax: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.activation, Activation):
@@ -119,6 +124,12 @@ class ActEpilogue:
             "ActEpilogue.quant",
             "None or a static per-tensor fp8/int8 scale (dynamic scales need the whole row or tensor)",
             self.quant,
+        )
+        expect(
+            not (self.track_amax and self.quant is not None),
+            "ActEpilogue.track_amax",
+            "False when C is quantized (the abs-max is tracked for a C in the model dtype)",
+            self.track_amax,
         )
         expect(
             self.activation.is_gated or not self.gate_up_interleaved,
@@ -144,6 +155,22 @@ class ActEpilogue:
 
     def out_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         return model_dtype if self.quant is None else _OUT_QUANT[self.quant.dtype][1]
+
+
+def out_quant(act: ActEpilogue | None) -> str:
+    """The kernels' OUT_QUANT for GEMM1's epilogue: "none", "amax" (model dtype, abs-max
+    tracked), or the static code format "fp8" / "int8" (the persistent kernel adds
+    "fp8_group" for dynamic 1 x g groups itself)."""
+    if act is None or act.quant is None:
+        return "amax" if act is not None and act.track_amax else "none"
+    return _OUT_QUANT[act.quant.dtype][0]
+
+
+def amax_buffer(act_scale: torch.Tensor | None) -> torch.Tensor:
+    """``act_scale`` as the fp32 [1] running abs-max a ``track_amax`` epilogue raises (checked, not copied)."""
+    ok = act_scale is not None and act_scale.numel() == 1 and act_scale.dtype == torch.float32
+    expect(ok and act_scale.is_contiguous(), "act_scale", "the contiguous fp32 [1] abs-max buffer", act_scale)
+    return act_scale
 
 
 @dataclass(frozen=True)

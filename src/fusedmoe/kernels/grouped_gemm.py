@@ -52,7 +52,6 @@ from . import grouped_gemm_persistent as _persistent
 from ._common import cdiv, interpreting
 from ._grouped_gemm import _grouped_gemm_kernel
 from .gemm_format import (
-    _OUT_QUANT,
     _TL_DTYPE,
     ActEpilogue,
     GemmCall,
@@ -60,7 +59,9 @@ from .gemm_format import (
     RowBlocks,
     _strides,
     _u8,
+    amax_buffer,
     optional_ptrs,
+    out_quant,
     scheme_key,
     shared_constexprs,
 )
@@ -115,8 +116,12 @@ def grouped_gemm_launch(
     wg = w.global_scale.reshape(-1).float().contiguous() if w.global_scale is not None else None
     g_idx = w.g_idx if fmt.act_order else None
     route_weights, rw_str = rows.route_weights(route_weights)
-    out_quant = "none" if act is None or act.quant is None else _OUT_QUANT[act.quant.dtype][0]
-    c_scale = act_scale.reshape(1).float().contiguous() if out_quant != "none" else None
+    oq = out_quant(act)
+    c_scale = None
+    if oq == "amax":
+        c_scale = amax_buffer(act_scale)  # raised in place: never a copy
+    elif oq != "none":
+        c_scale = act_scale.reshape(1).float().contiguous()
     # the dot path's operand dtype; the FMA path (BM < 16) always multiplies in fp32
     if interpreting():
         dot_dtype = tl.float32  # the interpreter's bf16/fp16 dot multiplies raw bits
@@ -159,7 +164,7 @@ def grouped_gemm_launch(
         HAS_W_GSCALE=wg is not None,
         DOT_DTYPE=dot_dtype,
         PAIR_BLOCKS=routing is not None and routing.pair_blocks,
-        **shared_constexprs(fmt, cfg, act, batched, bias, route_weights, out_quant, n),
+        **shared_constexprs(fmt, cfg, act, batched, bias, route_weights, oq, n),
     )
 
 
@@ -186,6 +191,8 @@ def _prepare(
         if act.activation.is_gated:
             expect(n % 2 == 0, "w", f"an even number of rows [E, 2I, K] for {act.activation.value}", w.shape)
         n_out = act.out_cols(n)
+        if act.track_amax:
+            amax_buffer(act_scale)
         if act.quant is not None:
             ok = act_scale is not None and act_scale.numel() == 1
             expect(ok, "act_scale", f"the static scale of {act.quant.short}")
@@ -207,15 +214,18 @@ def _use_kernel(t: torch.Tensor) -> bool:
 
 def _fill_from_ref(out: torch.Tensor, ref_fn, act: ActEpilogue | None, act_scale) -> torch.Tensor:
     """The CPU path: ``out``'s rows that the reference writes, from the reference in fp32
-    (quantized to C's codes when the epilogue quantizes)."""
+    (quantized to C's codes when the epilogue quantizes; the abs-max of the stored values
+    raised when it tracks it)."""
+    plain = None if act is None else replace(act, quant=None, track_amax=False)
+    ref = ref_fn(plain)
+    written = ~ref.isnan().all(dim=-1)
     if act is not None and act.quant is not None:
-        ref = ref_fn(replace(act, quant=None))
-        written = ~ref.isnan().all(dim=-1)
         out[written] = quantize(ref[written], act.quant, scale=act_scale.reshape(1, 1)).data
         return out
-    ref = ref_fn(act)
-    written = ~ref.isnan().all(dim=-1)
     out[written] = ref[written].to(out.dtype)
+    if act is not None and act.track_amax and bool(written.any()):
+        amax = out[written].float().abs().amax().reshape(1)
+        act_scale.copy_(torch.where(amax.isnan() | (amax > act_scale), amax, act_scale))
     return out
 
 

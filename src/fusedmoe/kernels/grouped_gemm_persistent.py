@@ -47,14 +47,15 @@ from ..quant import Operand, QDtype, QTensor, TensorQuant
 from ._common import cdiv, interpreting
 from ._grouped_gemm_persistent import _persistent_gemm_kernel
 from .gemm_format import (
-    _OUT_QUANT,
     ActEpilogue,
     GemmCall,
     GemmFormat,
     RowBlocks,
     _strides,
     _u8,
+    amax_buffer,
     optional_ptrs,
+    out_quant,
     shared_constexprs,
 )
 from .launch import ensure_allocator, launch
@@ -208,11 +209,9 @@ def _dot_dtype(fmt: GemmFormat, a: torch.Tensor):
 
 
 def _out_quant(act: ActEpilogue | None) -> tuple[str, int]:
-    if act is None or act.quant is None:
-        return "none", 0
-    if _dynamic_group_fp8(act.quant):
+    if act is not None and act.quant is not None and _dynamic_group_fp8(act.quant):
         return "fp8_group", act.quant.granularity.group_size
-    return _OUT_QUANT[act.quant.dtype][0], 0
+    return out_quant(act), 0
 
 
 def persistent_gemm_launch(
@@ -251,18 +250,20 @@ def persistent_gemm_launch(
         a_rows_total = a.shape[0]
     if rows.num_m_blocks == 0 or n == 0 or c.numel() == 0:  # standard: an upper bound, the kernel reads num_padded
         return
-    out_quant, out_group = _out_quant(act)
+    oq, out_group = _out_quant(act)
     a_scale = _u8(a_scale)
     route_weights, rw_str = rows.route_weights(route_weights)
     num_groups, cs_str, c_scale = 0, (0, 0, 0), None
-    if out_quant == "fp8_group":
+    if oq == "fp8_group":
         num_groups = cdiv(n, out_group)
         want = (*c.shape[:-1], num_groups)
         ok = act_scale is not None and tuple(act_scale.shape) == want and act_scale.dtype == torch.float32
         expect(ok, "act_scale", f"the fp32 {want} group-scale output", None if act_scale is None else act_scale.shape)
         c_scale = act_scale
         cs_str = rows.strides(act_scale)
-    elif out_quant != "none":
+    elif oq == "amax":
+        c_scale = amax_buffer(act_scale)  # raised in place: never a copy
+    elif oq != "none":
         c_scale = act_scale.reshape(1).float().contiguous()
     c_arg = _u8(c)
     dummy = c_arg
@@ -303,5 +304,5 @@ def persistent_gemm_launch(
         SUBTILE=cfg.epilogue_subtile,
         FLATTEN=cfg.flatten and not cfg.warp_specialize,  # fused loops are not specialized
         WARP_SPECIALIZE=cfg.warp_specialize,
-        **shared_constexprs(fmt, cfg, act, batched, bias, route_weights, out_quant, n),
+        **shared_constexprs(fmt, cfg, act, batched, bias, route_weights, oq, n),
     )
