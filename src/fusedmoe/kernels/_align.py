@@ -114,9 +114,9 @@ def _align_offsets_kernel(
     BLOCK_B: tl.constexpr,
     CB: tl.constexpr,  # chunks per step
 ):
-    # CB chunks' counts per step as one [CB, BINS] tile: the loads of a step are in flight
-    # together. One chunk per step made each loop a chain of num_chunks dependent loads: 33 us
-    # of DeepSeek-V3's T = 4096 layer on an H200 (32 chunks, two loops), 21 us at Qwen3's.
+    # CB chunks' counts per step as one [CB, BINS] tile, so a step's loads are in flight together
+    # (one chunk a step made each loop a chain of T*K / 1024 dependent loads; on an H200 that
+    # cost less than the block labels did, PERF_LOG 2026-11-28 fifth session).
     bins = tl.arange(0, BINS)
     cb = tl.arange(0, CB)
     is_expert = bins < E_L
