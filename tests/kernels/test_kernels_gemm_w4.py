@@ -402,6 +402,24 @@ def test_w4_gemm_bf16_output():
     run_case(Case("int4_g128", "swap", act=Activation.SILU, split=2, edge=EDGES[0]), out_dtype=torch.bfloat16)
 
 
+def test_w4_refuses_to_track_an_abs_max():
+    """The 4-bit kernel has no abs-max epilogue (its activations are float): asked for one, it says
+    so rather than leaving the buffer at 0 (a scale of 1 downstream)."""
+    from fusedmoe.errors import FusedMoEError
+
+    scheme = SCHEMES["int4_g128"]
+    q = _quantized(scheme, 2, 64, 128, device=DEVICE)
+    w4 = Operand(to_w4(q, scheme.w1), scheme.w1)
+    ids = torch.tensor([[0, 1]], dtype=torch.int32, device=DEVICE)
+    act = ActEpilogue(Activation.SILU, track_amax=True)
+    call = GemmCall(moe_align_ref(ids, 2, 16), a_div=2, act=act, act_scale=torch.zeros(1, device=DEVICE))
+    a = Operand.of(torch.zeros(1, 128, dtype=torch.bfloat16, device=DEVICE))
+    out = torch.empty(2, 32, dtype=torch.bfloat16, device=DEVICE)
+    cfg = LaunchConfig(16, 32, 64, 1, 4, 2)
+    with pytest.raises(FusedMoEError, match="act.track_amax"):
+        w4_gemm_launch(a, w4, out, GemmFormat.of(scheme.w1, None, 64, 128), cfg, call)
+
+
 @needs_triton
 @pytest.mark.parametrize("split", [1, 3])
 def test_split_k_partials_summed_by_moe_sum(split):

@@ -194,6 +194,8 @@ def w4_gemm_launch(
     expect(is_w4(w), "w", "a weight in the w4 layout (quant.w4_layout.to_w4)", type(w).__name__)
     expect(fmt.a_fmt == "float" and a_scale is None and a_global_scale is None, "a", "float activations", fmt)
     expect(reduce or act is None, "reduce", "True with a fused activation (it needs the summed tile)", reduce)
+    # its activations are never quantized, so nothing asks it for a2's abs-max (experts.triton)
+    expect(act is None or not act.track_amax, "act.track_amax", "False for the 4-bit kernel", True)
     expect(w.k_padded > 0, "w", "a weight with K > 0 (the kernel walks at least one K step)", tuple(w.shape))
     cfg = fit_w4_config(cfg, w)
     rows = _Rows.of(a, w, cfg, routing, counts, a_div)
