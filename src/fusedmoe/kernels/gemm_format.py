@@ -173,6 +173,15 @@ def amax_buffer(act_scale: torch.Tensor | None) -> torch.Tensor:
     return act_scale
 
 
+def epilogue_scale(oq: str, act_scale: torch.Tensor | None) -> torch.Tensor | None:
+    """What a kernel's ``c_scale_ptr`` gets for OUT_QUANT ``oq`` (``out_quant``): the abs-max
+    buffer itself ("amax", raised in place, so never a copy), the static scale as fp32 [1]
+    ("fp8" / "int8"), else None."""
+    if oq == "amax":
+        return amax_buffer(act_scale)
+    return act_scale.reshape(1).float().contiguous() if oq != "none" else None
+
+
 @dataclass(frozen=True)
 class GemmCall:
     """What one grouped-GEMM launch takes besides its operands, output, format and config: where

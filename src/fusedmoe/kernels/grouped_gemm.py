@@ -60,6 +60,7 @@ from .gemm_format import (
     _strides,
     _u8,
     amax_buffer,
+    epilogue_scale,
     optional_ptrs,
     out_quant,
     scheme_key,
@@ -117,11 +118,7 @@ def grouped_gemm_launch(
     g_idx = w.g_idx if fmt.act_order else None
     route_weights, rw_str = rows.route_weights(route_weights)
     oq = out_quant(act)
-    c_scale = None
-    if oq == "amax":
-        c_scale = amax_buffer(act_scale)  # raised in place: never a copy
-    elif oq != "none":
-        c_scale = act_scale.reshape(1).float().contiguous()
+    c_scale = epilogue_scale(oq, act_scale)
     # the dot path's operand dtype; the FMA path (BM < 16) always multiplies in fp32
     if interpreting():
         dot_dtype = tl.float32  # the interpreter's bf16/fp16 dot multiplies raw bits

@@ -53,7 +53,7 @@ from .gemm_format import (
     RowBlocks,
     _strides,
     _u8,
-    amax_buffer,
+    epilogue_scale,
     optional_ptrs,
     out_quant,
     shared_constexprs,
@@ -261,10 +261,8 @@ def persistent_gemm_launch(
         expect(ok, "act_scale", f"the fp32 {want} group-scale output", None if act_scale is None else act_scale.shape)
         c_scale = act_scale
         cs_str = rows.strides(act_scale)
-    elif oq == "amax":
-        c_scale = amax_buffer(act_scale)  # raised in place: never a copy
-    elif oq != "none":
-        c_scale = act_scale.reshape(1).float().contiguous()
+    else:
+        c_scale = epilogue_scale(oq, act_scale)
     c_arg = _u8(c)
     dummy = c_arg
     routing_ptrs = (None, None, None) if batched else (routing.sorted_ids, routing.block_expert, routing.num_padded)

@@ -42,7 +42,7 @@ from ..quant import Operand, TensorQuant
 from ..quant.w4_layout import W4_DTYPES, W4Tensor, convertible, is_w4
 from ._common import cdiv, interpreting, next_power_of_2
 from ._grouped_gemm_w4 import _w4_gemm_kernel, _w4_permute_a_kernel, _w4_reduce_kernel
-from .gemm_format import _OUT_QUANT, _TL_DTYPE, GemmCall, GemmFormat, _strides, _u8
+from .gemm_format import _TL_DTYPE, GemmCall, GemmFormat, _strides, _u8, epilogue_scale, out_quant
 from .launch import launch
 from .launch_config import LaunchConfig, pick_launch_config
 
@@ -216,8 +216,8 @@ def w4_gemm_launch(
         rows = _Rows.of(a, w, cfg, routing, counts, 1)
     perm = None if permuted else w.perm
     target = p if p is not None else c
-    out_quant = "none" if act is None or act.quant is None else _OUT_QUANT[act.quant.dtype][0]
-    c_scale = act_scale.reshape(1).float().contiguous() if out_quant != "none" else None
+    oq = out_quant(act)
+    c_scale = epilogue_scale(oq, act_scale)
     rw, rw_str = _route_weights(route_weights, rows.batched)
     rw_in_gemm = rw is not None and (p is None or act is None)
     t_str = ((target.stride(0),) if p is not None else (0,)) + _row_strides(target, rows.batched)
@@ -240,7 +240,7 @@ def w4_gemm_launch(
         ACT="none" if act is None or p is not None else act.activation.value,
         GATED=act is not None and p is None and act.activation.is_gated,
         INTERLEAVED=act is not None and act.gate_up_interleaved,
-        OUT_QUANT="none" if p is not None else out_quant, EXACT_CAST=interpreting(),
+        OUT_QUANT="none" if p is not None else oq, EXACT_CAST=interpreting(),
         MODE=_mode(cfg), FAST=fast_unpack(cfg, w, a.dtype), SPLIT_SCALE=w.scale.dtype != a.dtype,
         SPLIT_K=cfg.split_k, EVEN_K=kd == w.k_padded and w.k_padded % cfg.block_k == 0,
         A_SLOT=permuted and not rows.batched, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
@@ -248,7 +248,7 @@ def w4_gemm_launch(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if p is not None and reduce:
-        _reduce(p, c, act, out_quant, c_scale, None if rw_in_gemm else rw, rw_str, rows, n)
+        _reduce(p, c, act, oq, c_scale, None if rw_in_gemm else rw, rw_str, rows, n)
     return p
 
 
@@ -345,7 +345,7 @@ def _permute_a(a, w: W4Tensor, rows: _Rows) -> torch.Tensor:
     return out
 
 
-def _reduce(p, c, act, out_quant, c_scale, route_weights, rw_str, rows: _Rows, n) -> None:
+def _reduce(p, c, act, oq, c_scale, route_weights, rw_str, rows: _Rows, n) -> None:
     """C from the split-K partials: sum over splits in order, then the epilogue's tail; the
     GEMM's row blocks, so rows no program wrote (other experts', past the counts) stay as they are."""
     bn = min(_REDUCE_BN, next_power_of_2(max(n, 16)))
@@ -360,7 +360,7 @@ def _reduce(p, c, act, out_quant, c_scale, route_weights, rw_str, rows: _Rows, n
         ACT="none" if act is None else act.activation.value,
         GATED=act is not None and act.activation.is_gated,
         INTERLEAVED=act is not None and act.gate_up_interleaved,
-        OUT_QUANT=out_quant, EXACT_CAST=interpreting(), BLOCK_M=rows.block_m, BLOCK_N=bn,
+        OUT_QUANT=oq, EXACT_CAST=interpreting(), BLOCK_M=rows.block_m, BLOCK_N=bn,
         num_warps=4,
     )  # fmt: skip
 
