@@ -396,3 +396,24 @@ def test_moe_sum_real_shapes():
     c = torch.randn(512, 8, 4096, device="cuda", dtype=torch.bfloat16)
     out = moe_sum(c)
     torch.testing.assert_close(out.float(), moe_sum_ref(c), rtol=1e-2, atol=2e-2)
+
+
+@needs_triton
+@pytest.mark.parametrize("m", [0, 5, 37], ids=lambda m: f"{m}-rows")
+@pytest.mark.parametrize("name", ["fp8_tensor", "int8_tensor"])
+def test_per_tensor_with_a_known_amax(name, m):
+    """``amax`` given (what GEMM1's epilogue raises): only the codes pass runs, and its bytes and
+    scale equal the two-pass reference's when the amax is the tensor's; with no rows the scale is
+    still written (from the amax given), not left as the buffer held it."""
+    g = torch.Generator().manual_seed(m)
+    x = (torch.randn(m, 96, generator=g) * 3).to(torch.bfloat16).to(DEVICE)
+    tq = QUANTS[name]
+    r = quantize_activations_ref(x, tq) if m else quantize_activations_ref(torch.ones(1, 96), tq)
+    amax = x.float().abs().amax().reshape(1) if m else torch.full((1,), 2.5 * 448, device=DEVICE)
+    out = _poisoned_like(QTensor(r.data[:m].to(DEVICE), (m, 96), scale=r.scale.to(DEVICE)))
+    q = quantize_activations(x, tq, out=out, amax=amax.to(DEVICE))
+    if m:
+        _assert_same_bytes(q, r)
+    else:
+        want = 2.5 * 448 / (448.0 if tq.dtype is QDtype.FP8 else 127.0)
+        assert q.scale.item() == pytest.approx(want, rel=1e-7)

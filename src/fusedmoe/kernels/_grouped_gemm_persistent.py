@@ -39,9 +39,9 @@ loads and two accumulators; interleaved (gate 2n, up 2n + 1), one [2BN, BK] load
 Epilogue, per column piece (``SUBTILE`` pieces of BN / SUBTILE columns, to bound live
 registers): remaining scales, bias, activation, router weight, then one of: a store in C's
 dtype (with its abs-max raised, ``ActEpilogue.track_amax``); static per-tensor fp8/int8 codes
-(``quant_linear``); or fp8 codes with a dynamic
-scale per 1 x OUT_GROUP group (amax / 448, as ``fusedmoe.quant`` and ``act_quant`` compute it),
-written with the [rows, ceil(N / OUT_GROUP)] fp32 scales (a piece holds whole groups).
+(``quant_linear``); or fp8 codes with a dynamic scale per 1 x OUT_GROUP group (amax / 448, as
+``fusedmoe.quant`` and ``act_quant`` compute it), written with the [rows, ceil(N / OUT_GROUP)]
+fp32 scales (a piece holds whole groups).
 
 What ptxas makes of it for sm_90 (offline compiles, ``tests/kernels/sm90_compile.py``):
 wgmma (HGMMA/QGMMA) for BM >= 64 (BM 16/32 fall back to mma.sync), W by TMA (UTMALDG), gathered

@@ -152,8 +152,13 @@ def act_quant_launch(
         s_shape = {"tensor_dyn": (1, 1), "token": (m, 1)}.get(kind, (m, cdiv(cols, max(group, 1))))
         s_out = torch.empty(s_shape, dtype=s_dtype, device=dev) if out is None else out.scale
         expect(tuple(s_out.shape) == s_shape and s_out.dtype == s_dtype, "out.scale", f"{s_shape} {s_dtype}", s_out)
-    if (m == 0 or cols == 0) and kind == "tensor_dyn" and amax is None:
-        s_out.fill_(1.0)  # the amax of nothing is 0, whose scale is 1 (quant.linear)
+    if (m == 0 or cols == 0) and kind == "tensor_dyn":
+        # no launch writes the scale: the amax of nothing is 0, whose scale is 1 (quant.linear),
+        # or the one given
+        if amax is None:
+            s_out.fill_(1.0)
+        else:
+            s_out.copy_(_scale_of_amax(amax, tq))
     if m > 0 and cols > 0:
         known = amax is not None
         tile = _one_program_tile(m, cols) if kind == "tensor_dyn" and not known else None
@@ -221,6 +226,14 @@ def _fill(out: QTensor | torch.Tensor | None, res: QTensor | torch.Tensor) -> QT
     return QTensor(out.data, res.shape, scale=res.scale, global_scale=res.global_scale)
 
 
+def _scale_of_amax(amax: torch.Tensor, tq: TensorQuant) -> torch.Tensor:
+    """The [1, 1] per-tensor scale a known abs-max gives, as the kernels make it (quant.linear's
+    rule: amax / qmax, 1 for 0, NaN kept)."""
+    a = amax.reshape(1, 1).float()
+    s = a / (FP8_MAX if tq.dtype is QDtype.FP8 else INT8_MAX)
+    return torch.where(a > 0, s, torch.where(a.isnan(), a, torch.ones_like(a)))
+
+
 def _use_kernel(x: torch.Tensor) -> bool:
     return x.device.type != "cpu" or interpreting()
 
@@ -244,11 +257,8 @@ def quantize_activations(
     interpreter this is ``quantize_activations_ref``.
     """
     if not _use_kernel(x):
-        if amax is not None:  # the scale the kernel makes of it (quant.linear's rule)
-            qmax = FP8_MAX if tq.dtype is QDtype.FP8 else INT8_MAX
-            a = amax.reshape(1, 1).float()
-            scale = torch.where(a > 0, a / qmax, torch.where(a.isnan(), a, torch.ones_like(a)))
-            tq = replace(tq, dynamic=False)
+        if amax is not None:
+            scale, tq = _scale_of_amax(amax, tq), replace(tq, dynamic=False)
         ref = quantize_activations_ref(_zero_masked(x, row_mask), tq, scale=scale, global_scale=global_scale)
         return _fill(out, ref)
     return act_quant_launch(x, tq, scale=scale, global_scale=global_scale, out=out, row_mask=row_mask, amax=amax)
