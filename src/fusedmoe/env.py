@@ -19,6 +19,7 @@ when that shape was recorded; with FUSEDMOE_LAUNCH_PLANS=0 every call reads them
 | FUSEDMOE_CHECK_VALUES | data checks (ids, NaN/Inf) at a host sync | a boolean |
 | FUSEDMOE_FUSE_ACT | GEMM1 applies the activation in its epilogue | a boolean (default on) |
 | FUSEDMOE_FUSED_ROUTING | the one-launch routing kernel on CUDA | a boolean (default on) |
+| FUSEDMOE_QUANT_ON_LOAD | GEMM2 quantizes a2 as it loads it: where measured to pay, or up to N pairs | auto or N >= 0 |
 | FUSEDMOE_LAUNCH_CONFIG | pin one grouped-GEMM launch config | ``BM,BN,BK,GROUP_M,WARPS,STAGES`` |
 | FUSEDMOE_CONFIG_DIR | the folder of tuned configs: searched first, and where ``fusedmoe tune`` writes | a path |
 | FUSEDMOE_FAST_LAUNCH | known kernels launched by their binary (``kernels.launch``) | a boolean (default on) |
@@ -43,6 +44,7 @@ DETERMINISTIC = "FUSEDMOE_DETERMINISTIC"
 CHECK_VALUES = "FUSEDMOE_CHECK_VALUES"
 FUSE_ACT = "FUSEDMOE_FUSE_ACT"
 FUSED_ROUTING = "FUSEDMOE_FUSED_ROUTING"
+QUANT_ON_LOAD = "FUSEDMOE_QUANT_ON_LOAD"
 LAUNCH_CONFIG = "FUSEDMOE_LAUNCH_CONFIG"
 FAST_LAUNCH = "FUSEDMOE_FAST_LAUNCH"
 W4_PTX = "FUSEDMOE_W4_PTX"
@@ -103,6 +105,17 @@ def positive_int(name: str) -> int | None:
     return int(v)
 
 
+def count(name: str, default: int) -> int:
+    """A non-negative integer variable, or ``default`` when unset."""
+    v = raw(name)
+    if v is None:
+        return default
+    if not v.isdigit():
+        what = "auto or an integer >= 0" if name == QUANT_ON_LOAD else "an integer >= 0"
+        raise FusedMoEError(f"{name}: expected {what}, got {v!r}")
+    return int(v)
+
+
 def names(name: str) -> list[str]:
     """A comma-separated list of names (empty entries dropped)."""
     v = raw(name)
@@ -120,14 +133,14 @@ def family_backend(family: str) -> str:
     return f"FUSEDMOE_{family.upper()}_BACKEND"
 
 
-_CHOICE_VARS = (BACKEND, SKIP_BACKENDS, CHUNK_SIZE, DETERMINISTIC, FUSE_ACT, FUSED_ROUTING) + tuple(
+_CHOICE_VARS = (BACKEND, SKIP_BACKENDS, CHUNK_SIZE, DETERMINISTIC, FUSE_ACT, FUSED_ROUTING, QUANT_ON_LOAD) + tuple(
     family_backend(f) for f in FAMILIES
 )
 
 
 def choice_key() -> tuple:
     """The raw values of every variable that changes the kernel ``fused_moe`` builds: part of its
-    cache key, so changing one builds (and checks) a new kernel. 12 dictionary lookups, ~2 us."""
+    cache key, so changing one builds (and checks) a new kernel. 13 dictionary lookups, ~2 us."""
     return tuple([_get(v) for v in _CHOICE_VARS])
 
 
@@ -144,6 +157,14 @@ def check_values(requested: bool = False) -> bool:
 def fuse_act() -> bool:
     """``FUSEDMOE_FUSE_ACT`` (default on; read when the Triton experts are built)."""
     return flag(FUSE_ACT, default=True)
+
+
+def quant_on_load() -> int | None:
+    """``FUSEDMOE_QUANT_ON_LOAD``: None for "auto" or unset (the experts' measured rule, see
+    ``experts.triton``), else the number of pairs up to which every call that can does it (0:
+    none). Read when the Triton experts are built."""
+    v = raw(QUANT_ON_LOAD)
+    return None if v is None or v.lower() == "auto" else count(QUANT_ON_LOAD, 0)
 
 
 def fused_routing() -> bool:
@@ -177,6 +198,7 @@ def check_all() -> None:
     for name in (DETERMINISTIC, CHECK_VALUES, FUSE_ACT, FUSED_ROUTING, W4_PTX):
         flag(name)
     chunk_size()
+    quant_on_load()
 
 
 def config_dir() -> Path:

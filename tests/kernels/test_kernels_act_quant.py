@@ -417,3 +417,10 @@ def test_per_tensor_with_a_known_amax(name, m):
     else:
         want = 2.5 * 448 / (448.0 if tq.dtype is QDtype.FP8 else 127.0)
         assert q.scale.item() == pytest.approx(want, rel=1e-7)
+    # the same abs-max as GEMM1's per-program slots (``ActEpilogue.amax_slots``): the max of int32 |bits|
+    slots = torch.zeros(1100, dtype=torch.int32)  # more than one 1024-wide sweep of the slots
+    slots[1050] = amax.view(torch.int32)[0]
+    slots[3] = (amax / 3).view(torch.int32)[0]
+    q2 = quantize_activations(x, tq, out=_poisoned_like(out), amax=slots.to(DEVICE))
+    assert torch.equal(q2.data.view(torch.uint8).cpu(), q.data.view(torch.uint8).cpu())
+    assert torch.equal(q2.scale.cpu(), q.scale.cpu())

@@ -32,8 +32,18 @@ blocks, T = 256: Qwen3 276 -> 321 us, gpt-oss 405 -> 472 us with the activation 
 turns the fusion off, for comparison. The fused GEMM1 takes the plain GEMM1's launch
 config with BN halved (``gated_act_config``), so a program reads the same W13 rows.
 
+Decode, per-tensor dynamic a2. With pair blocks (T = 1) GEMM1's programs each write their tile's
+abs-max to an int32 slot of their own (``ActEpilogue.amax_slots``) instead of raising one zeroed
+fp32: no memset launch (H200, T = 1, fp8 per tensor: Qwen3-30B-A3B 35.8 -> 34.6 us, Mixtral
+126.0 -> 125.3, DeepSeek-V3 117.2 -> 116.2). Where few K steps per SM make it pay (``_a2_on_load``)
+GEMM2 also quantizes act(h) as it loads each tile (``grouped_gemm(quantize_a=...)``, the codes
+the pass would write): no codes pass either, 5 launches in all (route, x's quantization, the two
+GEMMs, the sum). ``FUSEDMOE_QUANT_ON_LOAD`` = N (or ``experts.quant_on_load``) does it in every
+call of at most N pairs that can, per 1 x g group scales included; 0 never.
+
 Workspace (``workspace``, declared from the shapes): h [T*K, 2I] (unfused), h_act [T*K, I] and
-a2_amax [1] (fused with a per-tensor dynamic a2: act(h) before Q_a2, and its abs-max) and y
+a2_amax [1] (fused with a per-tensor dynamic a2: act(h) before Q_a2, and its abs-max; the slots
+a2_amax_slots for pair blocks) and y
 [T*K, H] in the model dtype, a2 [T*K, I] quantized as scheme.a2 (plus its row scales);
 ``MoEKernel`` chunking bounds T. Given a workspace (``MoEKernel.allocate``), ``apply``
 writes into it and allocates none of these. Batched layout: the same two GEMMs over
@@ -77,16 +87,17 @@ import torch
 
 from .. import env
 from ..contract import TokenLayout, WeightedReduce, Workspace, quantized_layout, take
-from ..kernels._common import interpreting
+from ..kernels._common import cdiv, interpreting
 from ..kernels.act_quant import act_and_quantize, quantize_activations
 from ..kernels.align import moe_align, pair_blocks
-from ..kernels.gemm_format import ActEpilogue, GemmCall, GemmFormat, scheme_key
+from ..kernels.gemm_format import ActEpilogue, GemmCall, GemmFormat, amax_slot_count, on_load_why, scheme_key
 from ..kernels.grouped_gemm import grouped_gemm, grouped_gemm_batched
 from ..kernels.grouped_gemm_w4 import supports as w4_supports
 from ..kernels.grouped_gemm_w4 import w4_gemm_launch, w4_launch_config
 from ..kernels.launch_config import LaunchConfig, gated_act_config, pick_launch_config
 from ..kernels.moe_sum import moe_sum
 from ..metadata import ID_DTYPES, int32_ids, local_expert_ids
+from ..platform import current_platform
 from ..quant import Operand, QTensor
 from ..quant.w4_layout import convertible, from_w4_weights, is_w4, to_w4_weights
 from .base import ALL_SCHEMES, Capabilities, Experts
@@ -155,10 +166,13 @@ def _a2_out(ws, tq, rows: int, cols: int, device) -> QTensor | torch.Tensor | No
 @dataclass(frozen=True)
 class _Plan:
     """How one call of a given pair count runs: GEMM1's config as launched (BN halved under a
-    fused gated activation), GEMM2's, and whether the two align alike."""
+    fused gated activation), GEMM2's, GEMM1's activation epilogue (None: unfused), and whether
+    GEMM2 quantizes a2 as it loads it (``a2_on_load``, module docstring)."""
 
     lc1: LaunchConfig
     lc2: LaunchConfig
+    act: ActEpilogue | None = None
+    a2_on_load: bool = False
 
     @property
     def same_blocks(self) -> bool:
@@ -180,6 +194,14 @@ def _amax_subtile(cfg: LaunchConfig) -> LaunchConfig:
 
 
 _PLANS_KEPT = 64  # distinct pair counts planned per experts instance (prefill lengths vary)
+
+# GEMM2 quantizing a2 on load adds work to each K step of each program; it saves a launch. Measured
+# on an H200 at T = 1 (fp8 per tensor, layer under CUDA graphs, against the codes pass): Qwen3-30B-A3B
+# (8 pairs x 32 column tiles x 6 K steps over 132 SMs: 12 steps an SM) 34.6 -> 33.8 us, gpt-oss-20b
+# (31) 60.1 -> 59.6, DeepSeek-V3 (109) 116.2 -> 117.0, Mixtral (109) 125.3 -> 129.2. Per 1 x 128
+# groups it lost everywhere (the row abs-max per K step: Mixtral 130.7 -> 187.5 us), so not by default.
+_ON_LOAD_STEPS_PER_SM = 32
+_SMS_UNKNOWN = 132  # the interpreter, or a platform without its SM count
 
 
 class _TritonBase(Experts):
@@ -204,6 +226,11 @@ class _TritonBase(Experts):
         # 4-bit weights the w4 kernel runs (converted by prepare_weights); None: why not
         why = w4_supports(scheme.w1, scheme.a1, config.dtype) or w4_supports(scheme.w2, scheme.a2, config.dtype)
         self._w4 = why is None
+        # GEMM2 quantizes a2 in its loads: None, where the measured rule says (``_a2_on_load``), or
+        # in every call of at most this many pairs that can (0: never)
+        self.quant_on_load: int | None = env.quant_on_load()
+        fmt2 = GemmFormat.of(scheme.w2, scheme.a2, config.hidden_size, config.intermediate_size)
+        self._a2_loadable = self.layout is TokenLayout.STANDARD and on_load_why(scheme.a2) is None and fmt2.native
 
     def prepare_weights(self, weights):
         """4-bit weights into the w4 layout (once), where the w4 kernel runs them; else as given."""
@@ -217,17 +244,19 @@ class _TritonBase(Experts):
     def restore_weights(self, weights):
         return from_w4_weights(weights) if is_w4(weights.w13) else weights
 
-    def _plan(self, rows: int, e_l: int, w13, w2) -> _Plan:
-        """The launch configs of a call of ``rows`` pairs (or batched rows), worked out once."""
+    def _plan(self, rows: int, e_l: int, w13, w2, by_pair: bool = False) -> _Plan:
+        """The launch configs of a call of ``rows`` pairs (or batched rows), worked out once
+        (``by_pair``: its GEMM blocks are pairs, ``pair_blocks``)."""
         w4 = is_w4(w13)
-        key = (rows, e_l, w4, self.deterministic, self.fuse_act)
+        key = (rows, e_l, w4, self.deterministic, self.fuse_act, self.quant_on_load, by_pair)
         plan = self._plans.get(key)
         if plan is None:
-            cfg, sch, ep = self.config, self.scheme, self.act_epilogue()
-            gated = ep is not None and ep.activation.is_gated
+            cfg, sch = self.config, self.scheme
             h, i, n1 = cfg.hidden_size, cfg.intermediate_size, cfg.w13_rows
+            on_load = False
             if w4:
-                det = self.deterministic
+                ep, det = self.act_epilogue(), self.deterministic
+                gated = ep is not None and ep.activation.is_gated
                 lc1 = w4_launch_config(rows, e_l, n1, h, w13, gated=gated, deterministic=det)
                 lc2 = w4_launch_config(rows, e_l, h, i, w2, deterministic=det)
             else:
@@ -235,12 +264,50 @@ class _TritonBase(Experts):
                 lc2 = self._launch_config(rows, e_l, h, i, sch.w2, sch.a2)
                 if self.layout is TokenLayout.STANDARD:  # aligned once, with GEMM1's BM: GEMM2 is tuned under it
                     lc2 = replace(lc2, block_m=lc1.block_m)
-            lc1 = gated_act_config(lc1) if gated else lc1
-            plan = _Plan(_amax_subtile(lc1) if ep is not None and ep.track_amax else lc1, lc2)
+                on_load = self._a2_on_load(rows, lc2, by_pair)
+                ep = self._on_load_epilogue() if on_load else self.act_epilogue()
+            if ep is not None and ep.track_amax and by_pair:  # no zeroed buffer: no memset launch
+                ep = replace(ep, amax_slots=True)
+            lc1 = gated_act_config(lc1) if ep is not None and ep.activation.is_gated else lc1
+            lc1 = _amax_subtile(lc1) if ep is not None and ep.track_amax else lc1
+            plan = _Plan(lc1, lc2, ep, on_load)
             if len(self._plans) >= _PLANS_KEPT:
                 self._plans.clear()
             self._plans[key] = plan
         return plan
+
+    def _a2_on_load(self, rows: int, lc2: LaunchConfig, by_pair: bool) -> bool:
+        """Whether GEMM2 quantizes a2 as it loads it in a call of ``rows`` pairs (module docstring).
+        It can for a dynamic per-tensor or 1 x g group fp8/int8 a2 with its own weights, the
+        activation fused, a group GEMM2's tuned BK (a tile holds one group), not in deterministic
+        mode (the path would then depend on the batch size). It does where ``quant_on_load`` says
+        (up to that many pairs) or, by default, where measured to pay: a per-tensor a2 at pair
+        blocks, with at most ``_ON_LOAD_STEPS_PER_SM`` of GEMM2's K steps per SM."""
+        if not (self._a2_loadable and self.fuse_act) or self.deterministic:
+            return False
+        tq = self.scheme.a2
+        if tq.granularity.kind == "group" and lc2.block_k != tq.granularity.group_size:
+            return False
+        if self.quant_on_load is not None:
+            return rows <= self.quant_on_load
+        if not (by_pair and tq.granularity.kind == "tensor"):
+            return False
+        c = self.config
+        steps = rows * cdiv(c.hidden_size, lc2.block_n) * cdiv(c.intermediate_size, lc2.block_k)
+        return steps <= _ON_LOAD_STEPS_PER_SM * (current_platform().sm_count or _SMS_UNKNOWN)
+
+    def _on_load_epilogue(self) -> ActEpilogue:
+        """GEMM1's epilogue when GEMM2 quantizes a2 on load: act(h) in the model dtype, its
+        abs-max tracked for a per-tensor scale."""
+        return replace(ActEpilogue.of(self.config, None), track_amax=_tensor_dynamic(self.scheme.a2))
+
+    def _amax_buffer(self, ep: ActEpilogue, routing, lc1: LaunchConfig, workspace, dev) -> torch.Tensor:
+        """Where GEMM1's epilogue leaves a2's abs-max: one int32 slot per program (pair blocks,
+        ``ActEpilogue.amax_slots``), else the fp32 [1] it raises, zeroed here."""
+        if ep.amax_slots:
+            slots = amax_slot_count(routing.block_expert.numel(), self.config.intermediate_size, lc1.block_n)
+            return take(workspace, "a2_amax_slots", (slots,), torch.int32, dev)
+        return take(workspace, "a2_amax", (1,), torch.float32, dev).zero_()
 
     def act_epilogue(self) -> ActEpilogue | None:
         """GEMM1's fused activation, or None: GEMM1 writes h and act_and_quantize follows."""
@@ -266,7 +333,7 @@ class _TritonBase(Experts):
         i, dev = cfg.intermediate_size, a.data.device
         if ep.track_amax:  # only the rows GEMM1 writes reach the abs-max: no fill, no row mask
             data = take(workspace, "h_act", (rows, i), cfg.dtype, dev)
-            scale = take(workspace, "a2_amax", (1,), torch.float32, dev).zero_()
+            scale = self._amax_buffer(ep, kw.get("routing"), kw["config"], workspace, dev)
         else:
             data = take(workspace, "a2", (rows, i), ep.out_dtype(cfg.dtype), dev)
             scale = weights.act_scales("a2", sch.a2).get("scale") if ep.quant is not None else None
@@ -279,15 +346,43 @@ class _TritonBase(Experts):
             return quantize_activations(data, sch.a2, out=a2_out, row_mask=row_mask, amax=scale, **a2_scales)
         return QTensor(data, (rows, i), scale=None if scale is None else scale.reshape(1, 1).float())
 
+    def _gemm1_for_on_load(self, a, weights, plan: _Plan, routing, k: int, workspace) -> tuple:
+        """(act(h) [T*K, I] in the model dtype as a QTensor, its abs-max or None) from GEMM1 for a
+        GEMM2 that quantizes a2 as it loads it: the abs-max (per-tensor a2) in per-program slots
+        (pair blocks) or the zeroed fp32 [1] the epilogue raises."""
+        cfg, sch, ep = self.config, self.scheme, plan.act
+        pairs, i, dev = routing.num_pairs, cfg.intermediate_size, a.data.device
+        data = take(workspace, "h_act", (pairs, i), cfg.dtype, dev)
+        amax = self._amax_buffer(ep, routing, plan.lc1, workspace, dev) if ep.track_amax else None
+        w13 = Operand(weights.w13, sch.w1)
+        grouped_gemm(Operand(a, sch.a1), w13, routing, bias=weights.b13, a_div=k, out=data, config=plan.lc1, act=ep,
+                     act_scale=amax)  # fmt: skip
+        return QTensor(data, (pairs, i)), amax
+
     def _workspace(self, rows: int) -> Workspace:
         c, ep = self.config, self.act_epilogue()
+        i = c.intermediate_size
         shapes = {}
         if ep is None:
             shapes["h"] = ((rows, c.w13_rows), c.dtype)
         elif ep.track_amax:  # act(h), quantized after GEMM1 (per tensor), and its abs-max
-            shapes["h_act"] = ((rows, c.intermediate_size), c.dtype)
+            shapes["h_act"] = ((rows, i), c.dtype)
             shapes["a2_amax"] = ((1,), torch.float32)
-        shapes.update(quantized_layout("a2", self.scheme.a2, rows, c.intermediate_size, c.dtype))
+        shapes.update(quantized_layout("a2", self.scheme.a2, rows, i, c.dtype))
+        on_load = 0  # act(h) rows GEMM2 may quantize on load: the forced limit's, else pair blocks' (the rule's)
+        if self._a2_loadable and self.fuse_act:
+            limit = self.quant_on_load
+            if limit is None:
+                limit = self.pair_blocks_tokens * c.top_k if _tensor_dynamic(self.scheme.a2) else 0
+            on_load = min(rows, limit)
+        if on_load:  # act(h) for GEMM2 to quantize (and its abs-max)
+            shapes.setdefault("h_act", ((on_load, i), c.dtype))
+            if _tensor_dynamic(self.scheme.a2):
+                shapes["a2_amax"] = ((1,), torch.float32)
+        if "a2_amax" in shapes and self.layout is TokenLayout.STANDARD:
+            # pair blocks (at most pair_blocks_tokens tokens): one slot per GEMM1 program, >= 16 columns a tile
+            pairs = min(rows, self.pair_blocks_tokens * c.top_k)
+            shapes["a2_amax_slots"] = ((pairs * cdiv(i, 16),), torch.int32)
         return Workspace(shapes)
 
 
@@ -316,16 +411,19 @@ class TritonExperts(_TritonBase):
         dev = a.data.device
         e_l = weights.num_experts
         pairs = t * k
-        plan = self._plan(pairs, e_l, weights.w13, weights.w2)
+        by_pair = expert_map is None and t <= self.pair_blocks_tokens
+        plan = self._plan(pairs, e_l, weights.w13, weights.w2, by_pair)
         # the kernels read int32 or int64 ids (transformers' routers give int64) without a
         # conversion launch, which would also keep the call from being replayed (``modular.replay``)
         n_ids = e_l if expert_map is None else expert_map.shape[0]
         ids = topk.ids if topk.ids.dtype in ID_DTYPES else int32_ids(topk.ids, n_ids)
-        by_pair = expert_map is None and t <= self.pair_blocks_tokens
         routing = pair_blocks(ids, plan.lc1.block_m) if by_pair else moe_align(ids, e_l, plan.lc1.block_m, expert_map)
-        ep = self.act_epilogue()
+        ep = plan.act
         local_pairs = partial(_local_pairs, ids, e_l, expert_map)
-        if ep is not None:
+        a2_amax = None
+        if plan.a2_on_load:  # GEMM1 writes act(h) (and its abs-max); GEMM2 quantizes it as it loads it
+            a2, a2_amax = self._gemm1_for_on_load(a, weights, plan, routing, k, workspace)
+        elif ep is not None:
             kw = dict(routing=routing, a_div=k, config=plan.lc1)
             mask = None if expert_map is None else local_pairs
             a2 = self._gemm1_act(a, weights, ep, pairs, workspace, grouped_gemm, mask, **kw)
@@ -350,6 +448,10 @@ class TritonExperts(_TritonBase):
             call = GemmCall(routing, bias=weights.b2, route_weights=route_w)
             p = w4_gemm_launch(a2, w2, y, fmt, plan.lc2, call, reduce=False)
             y = y if p is None else p
+        elif plan.a2_on_load:
+            a2 = Operand.of(a2.data)
+            grouped_gemm(a2, w2, routing, bias=weights.b2, topk_weights=route_w, out=y, config=plan.lc2,
+                         quantize_a=sch.a2, a_amax=a2_amax)  # fmt: skip
         else:
             grouped_gemm(a2, w2, routing, bias=weights.b2, topk_weights=route_w, out=y, config=plan.lc2)
         moe_sum(y.view(*y.shape[:-2], t, k, -1), out, topk_ids=ids, expert_map=expert_map, num_local_experts=e_l)

@@ -85,6 +85,18 @@ def _abs_bits(v):
 
 
 @triton.jit
+def max_abs_bits(ptr, n):
+    """The max of ``n`` int32 abs-max |bits| at ``ptr`` (an int32 pointer): an fp32 [1] running
+    abs-max (n = 1; its bits, as ``_abs_bits`` raised them) or per-program slots that GEMM1's
+    "amax_slots" epilogue wrote (``ActEpilogue.amax_slots``)."""
+    m = tl.zeros([1024], dtype=tl.int32)
+    for i in range(0, n, 1024):
+        offs = i + tl.arange(0, 1024)
+        m = tl.maximum(m, tl.load(ptr + offs, mask=offs < n, other=0))
+    return tl.max(m, axis=0)
+
+
+@triton.jit
 def _scale_of(amax, QUANT: tl.constexpr):
     """amax / QMAX with IEEE division (as quant.linear divides): 1 where amax is 0, NaN where it is NaN."""
     qmax = FP8_MAX if QUANT == "fp8" else INT8_MAX
@@ -120,13 +132,14 @@ def _act_quant_kernel(
     q_ptr,  # [M, I] output: model dtype, fp8 bytes, int8; nvfp4 packed [M, I/2]
     s_ptr,  # scales: [1] tensor, [M, 1] token, [M, G] group (fp32, e8m0 or e4m3 bytes)
     gs_ptr,  # nvfp4 global scale [1]
-    amax_ptr,  # [1] fp32, zeroed: the running amax of per-tensor dynamic scales
+    amax_ptr,  # [1] fp32, zeroed: the running amax of per-tensor dynamic scales (PASS 2: n_amax int32 |bits|)
     rmask_ptr,  # [M] uint8 (ROW_MASK): rows to compute; the others are neither read nor written
     M,
     I,
     stride_xm,
     stride_qm,
     stride_sm,
+    n_amax,  # PASS 2: abs-max values at amax_ptr (1, or GEMM1's per-program slots)
     alpha,
     limit,
     ACT: tl.constexpr,
@@ -186,7 +199,8 @@ def _act_quant_kernel(
                 if SCALE == "tensor_static":
                     s = tl.load(s_ptr)
                 else:
-                    s = _scale_of(tl.load(amax_ptr), QUANT)
+                    bits = max_abs_bits(amax_ptr.to(tl.pointer_type(tl.int32)), n_amax)
+                    s = _scale_of(bits.to(tl.float32, bitcast=True), QUANT)
                     if (pid_m == 0) & (pid_k == 0):
                         tl.store(s_ptr, s)
                 tl.store(q_row + cols[None, :], _quant_linear(v, s, QUANT, EXACT_CAST), mask=mask)

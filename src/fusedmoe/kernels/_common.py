@@ -158,7 +158,26 @@ def quant_linear(v, s, QUANT: tl.constexpr, EXACT_CAST: tl.constexpr):
     """fp8 (as uint8 bytes) or int8 codes of v / s (``quant.linear``: IEEE division, then
     saturate; int8 rounds half to even). NaN stays NaN in fp8 and is 0 in int8, as torch's
     casts give (a plain min/max clamp is maxnum on the GPU: it would give -448 or -128)."""
-    y = tl.math.div_rn(v, s)
+    return linear_codes(tl.math.div_rn(v, s), QUANT, EXACT_CAST)
+
+
+@triton.jit
+def quotient_rcp(v, s, r, EXACT_CAST: tl.constexpr):
+    """v / s rounded as IEEE division rounds it, from ``r`` = div_rn(1, s) made once per scale:
+    q0 = v r, then one fma correction (Markstein: with r correctly rounded, q0 + (v - s q0) r is
+    the correctly rounded quotient; the fma makes v - s q0 exact). Three instructions where
+    div_rn is a range check, a reciprocal, refinements and a slow-path branch per element. Where
+    they differ (s = inf: NaN against 0) the code's value, 0 x inf, is NaN either way. The
+    interpreter's fma rounds twice, so there (EXACT_CAST) this is div_rn itself."""
+    if EXACT_CAST:
+        return tl.math.div_rn(v, s)
+    q0 = v * r
+    return tl.fma(tl.fma(-q0, s, v), r, q0)
+
+
+@triton.jit
+def linear_codes(y, QUANT: tl.constexpr, EXACT_CAST: tl.constexpr):
+    """fp8 (uint8 bytes) or int8 codes of the quotient y = v / s (``quant_linear``)."""
     if QUANT == "fp8":
         y = tl.maximum(y, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
         return e4m3_bits(tl.minimum(y, FP8_MAX, propagate_nan=tl.PropagateNan.ALL), EXACT_CAST)

@@ -40,13 +40,22 @@ Operands meet in one of three ways (constexprs ``NATIVE`` and ``FMA``):
 
 Then bias, then the router weight, then one store in C's dtype.
 
+A quantized on load (constexpr ``A_ON_LOAD``, ``grouped_gemm(quantize_a=...)``): A comes in the
+model dtype and each tile becomes the codes ``act_quant`` would have written (``_quantize_a``):
+per tensor with the scale of an abs-max GEMM1 left (``_amax_scale``), per 1 x BK group with the
+tile row's own. Division by a per-scale reciprocal with one fma correction (``quotient_rcp``): a
+div_rn per element made a decode K step ~10x longer (Qwen3-30B-A3B's GEMM2 at T = 1 on an H200,
+the layer 35.8 -> 49.1 us; 33.8 with the reciprocal). The codes then meet W as stored codes do;
+the FMA path takes their values with the scale folded in.
+
 GEMM1 with the activation in its epilogue (constexpr ``ACT``, ``grouped_gemm(act=...)``):
 C is the [M, I] activation output and BN counts its columns. For a gated activation
 the program multiplies the same A tile by the gate rows and the up rows of W13 that
 output columns n feed (n and I + n, or 2n and 2n + 1 when interleaved) into two
 accumulators, finishes each (scales, bias), applies the activation in fp32 (the same
 ``_common.apply_act`` as the activation kernel), then the router weight, then stores C
-in the model dtype or quantized with a static per-tensor scale (``OUT_QUANT``). The
+in the model dtype (its abs-max tracked for a dynamic scale: an atomic max, or one slot per
+program, ``ActEpilogue``) or quantized with a static per-tensor scale (``OUT_QUANT``). The
 [M, 2I] intermediate never reaches memory, so it is never rounded to the model dtype
 either: the unfused path rounds it once, the fused one does not (closer to the float64
 reference by that rounding).
@@ -57,8 +66,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._act_quant import _abs_bits
-from ._common import apply_act, e2m1_to_f32, e8m0_to_f32, quant_linear, unpack_nibbles
+from ._act_quant import _abs_bits, _scale_of, max_abs_bits
+from ._common import apply_act, e2m1_to_f32, e8m0_to_f32, linear_codes, quant_linear, quotient_rcp, unpack_nibbles
 
 
 @triton.jit
@@ -243,19 +252,26 @@ def _mac(
     NATIVE: tl.constexpr,
     INT_ACC: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
+    s_a_tile,
+    A_ON_LOAD: tl.constexpr,
 ):
     """acc + a @ b (tl.dot) for W rows ``cols`` (the first: ``col0``), with native w8a8's per-K
-    scales on the partial product. W_UNIFORM: the rows lie in one W_BN block (``block_uniform``),
-    so the step's weight scale is one scalar and the scaled add is one FFMA per element, with the
-    row scale times that scalar made once per row; else a [BN] scale vector, an FMUL and an FFMA
-    per element (sm_90 SASS of a 128 x 128 fp8-block tile: 64 FMUL + 64 FFMA per thread a step)."""
+    scales on the partial product (A's group scales: loaded, or ``s_a_tile`` [BM] where the
+    kernel quantized A as it loaded it, ``_quantize_a``). W_UNIFORM: the rows lie in one W_BN
+    block (``block_uniform``), so the step's weight scale is one scalar and the scaled add is one
+    FFMA per element, with the row scale times that scalar made once per row; else a [BN] scale
+    vector, an FMUL and an FFMA per element (sm_90 SASS of a 128 x 128 fp8-block tile: 64 FMUL +
+    64 FFMA per thread a step)."""
     if NATIVE and (A_GROUP > 0 or W_BK > 0):
         if W_FMT == "int8":
             part = tl.dot(a, b, out_dtype=tl.int32).to(tl.float32)
         else:
             part = tl.dot(a, b)
         if A_GROUP > 0:
-            s_a = tl.load(as_row_ptr + (k0 // A_GROUP) * stride_ask, mask=row_ok, other=0)
+            if A_ON_LOAD:
+                s_a = s_a_tile
+            else:
+                s_a = tl.load(as_row_ptr + (k0 // A_GROUP) * stride_ask, mask=row_ok, other=0)
         if W_UNIFORM:
             s = tl.load(ws_base + (col0 // W_BN) * stride_wsn + (k0 // W_BK) * stride_wsk)
             if A_GROUP > 0:
@@ -342,7 +358,8 @@ def _w_step(
     row_ok, stride_wn, stride_wk, stride_wsn, stride_wsk, stride_gk, stride_ask,
     W_FMT: tl.constexpr, A_GROUP: tl.constexpr, W_BN: tl.constexpr, W_BK: tl.constexpr, W_UNIFORM: tl.constexpr,
     ACT_ORDER: tl.constexpr, HAS_ZERO: tl.constexpr, NATIVE_DOT: tl.constexpr, INT_ACC: tl.constexpr,
-    FMA: tl.constexpr, OP_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FMA: tl.constexpr, OP_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, s_a_tile,
+    A_ON_LOAD: tl.constexpr,
 ):  # fmt: skip
     """One K step of the W rows ``cols`` (the gate rows, or the up rows): (their tile, ``acc``).
     The dot path multiplies the tile into ``acc`` here; the FMA path leaves ``acc`` as it is and
@@ -355,7 +372,7 @@ def _w_step(
     if not FMA:
         acc = _mac(
             acc, a, b, as_row_ptr, row_ok, ws_base, cols, n_ok, col0, k0, stride_ask, stride_wsn, stride_wsk,
-            W_FMT, A_GROUP, W_BN, W_BK, W_UNIFORM, NATIVE_DOT, INT_ACC, OP_DTYPE,
+            W_FMT, A_GROUP, W_BN, W_BK, W_UNIFORM, NATIVE_DOT, INT_ACC, OP_DTYPE, s_a_tile, A_ON_LOAD,
         )  # fmt: skip
     return b, acc
 
@@ -392,6 +409,41 @@ def _act_epilogue(
 
 
 @triton.jit
+def _amax_scale(amax_ptr, n, QUANT: tl.constexpr):
+    """A's per-tensor dynamic scale (``A_ON_LOAD``) from its abs-max held as ``n`` int32 |bits|
+    values (``max_abs_bits``): the scale ``act_quant``'s codes pass makes of it, NaN kept."""
+    return _scale_of(max_abs_bits(amax_ptr, n).to(tl.float32, bitcast=True), QUANT)
+
+
+@triton.jit
+def _quantize_a(a, s_t, r_t, A_FMT: tl.constexpr, A_GROUP: tl.constexpr, EXACT_CAST: tl.constexpr):
+    """An A tile [BM, BK] loaded in the model dtype, quantized as ``quant.linear`` (and
+    ``act_quant``) quantize it: (its codes, as the dot takes them, e4m3 or int8; the scale of
+    each row's codes [BM]). The scale is ``s_t`` (per tensor, ``_amax_scale``; ``r_t`` =
+    div_rn(1, s_t)) or, A_GROUP > 0, the row's own 1 x A_GROUP group scale, from the tile
+    (BK == A_GROUP: a tile holds one group of each row). Masked elements load as 0: they
+    leave a group's abs-max unchanged, and a padding row gets scale 1 and zero codes."""
+    v = a.to(tl.float32)
+    if A_GROUP > 0:
+        s = _scale_of(tl.max(_abs_bits(v), axis=1).to(tl.float32, bitcast=True), A_FMT)
+        r = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+    else:
+        s = tl.zeros([v.shape[0]], dtype=tl.float32) + s_t
+        r = tl.zeros([v.shape[0]], dtype=tl.float32) + r_t
+    # division by multiplication (quotient_rcp): a div_rn per element made the step ~10x longer
+    q = linear_codes(quotient_rcp(v, s[:, None], r[:, None], EXACT_CAST), A_FMT, EXACT_CAST)
+    if A_FMT == "fp8":
+        q = q.to(tl.float8e4nv, bitcast=True)
+    return q, s
+
+
+@triton.jit
+def _tile_abs_max(v, mask):
+    """int32 |bits| max (``_abs_bits``) of the stored values ``v`` (cast back to fp32) where ``mask``."""
+    return tl.max(tl.max(tl.where(mask, _abs_bits(v.to(tl.float32)), 0), axis=1), axis=0)
+
+
+@triton.jit
 def _store_c(c_ptrs, acc, c_mask, c_scale_ptr, OUT_QUANT: tl.constexpr, EXACT_CAST: tl.constexpr):
     """Store the fp32 tile ``acc`` as C: in C's dtype ("none"); in C's dtype with the abs-max of
     the stored values raised into ``c_scale_ptr`` ("amax", ``ActEpilogue.track_amax``: an integer
@@ -401,13 +453,21 @@ def _store_c(c_ptrs, acc, c_mask, c_scale_ptr, OUT_QUANT: tl.constexpr, EXACT_CA
         v = acc.to(c_ptrs.dtype.element_ty)
         tl.store(c_ptrs, v, mask=c_mask)
         if OUT_QUANT == "amax":
-            tile = tl.max(tl.max(tl.where(c_mask, _abs_bits(v.to(tl.float32)), 0), axis=1), axis=0)
+            tile = _tile_abs_max(v, c_mask)
             # relaxed: nothing in this launch reads the buffer (the next launch does, after the
             # kernel boundary), and the default acq_rel fence would wait for the persistent
             # kernel's loads of its next tile already in flight
             tl.atomic_max(c_scale_ptr.to(tl.pointer_type(tl.int32)), tile, sem="relaxed")
     else:
         tl.store(c_ptrs, quant_linear(acc, tl.load(c_scale_ptr), OUT_QUANT, EXACT_CAST), mask=c_mask)
+
+
+@triton.jit
+def _no_rows(c_scale_ptr, pid, OUT_QUANT: tl.constexpr):
+    """A program with no rows to compute: under "amax_slots" its abs-max slot still gets a 0
+    (the slots are never zeroed; each launch writes every one of them)."""
+    if OUT_QUANT == "amax_slots":
+        tl.store(c_scale_ptr.to(tl.pointer_type(tl.int32)) + pid, 0)
 
 
 # num_experts only bounds pair-block ids: not specialised, so a binary serves any E (the tuner's
@@ -438,6 +498,7 @@ def _grouped_gemm_kernel(
     blocks_per_expert,
     num_m_blocks,
     num_experts,  # E_l: PAIR_BLOCKS skips a block whose id is outside [0, E_l)
+    num_a_amax,  # A_ON_LOAD per tensor: int32 abs-max values at a_scale_ptr (_amax_scale)
     alpha,
     limit,
     stride_ae,
@@ -466,6 +527,7 @@ def _grouped_gemm_kernel(
     PAIR_BLOCKS: tl.constexpr,  # standard layout: block b is pair b alone (AlignedRouting.pair_blocks)
     A_FMT: tl.constexpr,  # "float" | "fp8" | "int8" | "mxfp8" | "nvfp4"
     A_GROUP: tl.constexpr,  # 0: one scale per row (tensor/token), else 1 x A_GROUP groups
+    A_ON_LOAD: tl.constexpr,  # A comes in the model dtype and is quantized as A_FMT / A_GROUP when loaded
     W_FMT: tl.constexpr,  # "float" | "fp8" | "int8" | "int4" | "mxfp4" | "nvfp4"
     W_BN: tl.constexpr,  # 0, 0: one scale per column (tensor/channel); else W_BN x W_BK blocks
     W_BK: tl.constexpr,
@@ -481,7 +543,7 @@ def _grouped_gemm_kernel(
     ACT: tl.constexpr,  # "none" | an Activation value, applied in the epilogue
     GATED: tl.constexpr,  # ACT takes a gate and an up row (Activation.is_gated)
     INTERLEAVED: tl.constexpr,  # gated ACT: gate/up are W rows 2n, 2n+1 (else n, N + n)
-    OUT_QUANT: tl.constexpr,  # "none" | "amax" (abs-max tracked) | "fp8" | "int8": C quantized with c_scale_ptr
+    OUT_QUANT: tl.constexpr,  # "none" | "amax" / "amax_slots" (abs-max tracked) | "fp8" | "int8" (c_scale_ptr's scale)
     EXACT_CAST: tl.constexpr,  # the interpreter: encode fp8 by hand (see _common.e4m3_bits)
     BLOCK_M: tl.constexpr,  # < 16: the FMA path (module docstring)
     BLOCK_N: tl.constexpr,
@@ -504,6 +566,7 @@ def _grouped_gemm_kernel(
         m0 = (pid_m % blocks_per_expert) * BLOCK_M
         count = tl.minimum(tl.load(counts_ptr + e), m_max)
         if m0 >= count:
+            _no_rows(c_scale_ptr, pid, OUT_QUANT)
             return
         offs_m = m0 + tl.arange(0, BLOCK_M)
         row_ok = offs_m < count
@@ -512,6 +575,7 @@ def _grouped_gemm_kernel(
     elif PAIR_BLOCKS:
         e = tl.load(block_expert_ptr + pid_m)  # the pair's own expert id, unchecked
         if (e < 0) | (e >= num_experts):
+            _no_rows(c_scale_ptr, pid, OUT_QUANT)
             return
         ids = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_pairs)
         row_ok = ids < num_pairs
@@ -520,6 +584,7 @@ def _grouped_gemm_kernel(
     else:
         e = tl.load(block_expert_ptr + pid_m)
         if e < 0:
+            _no_rows(c_scale_ptr, pid, OUT_QUANT)
             return
         ids = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
         row_ok = ids < num_pairs
@@ -551,6 +616,11 @@ def _grouped_gemm_kernel(
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = acc  # the up rows' accumulator, carried through the loop only under a gated ACT
+    s_t = 1.0  # A_ON_LOAD per tensor: A's scale, from the abs-max GEMM1 left, and its reciprocal
+    r_t = 1.0
+    if A_ON_LOAD and A_GROUP == 0:
+        s_t = _amax_scale(a_scale_ptr.to(tl.pointer_type(tl.int32)), num_a_amax, A_FMT)
+        r_t = tl.math.div_rn(1.0, s_t)
 
     for k0 in range(0, KD, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -560,9 +630,16 @@ def _grouped_gemm_kernel(
             a = e2m1_to_f32(unpack_nibbles(a_row_ptr, row_ok, k0, KD, stride_ak, BLOCK_M, BLOCK_K))
         else:
             a = tl.load(a_row_ptr[:, None] + offs_k[None, :] * stride_ak, mask=row_ok[:, None] & k_ok[None, :], other=0)
-            if A_FMT == "fp8" or A_FMT == "mxfp8":
+            if (A_FMT == "fp8" or A_FMT == "mxfp8") and not A_ON_LOAD:
                 a = a.to(tl.float8e4nv, bitcast=True)  # e4m3 arrives as uint8: masked loads need other=0
-        if not NATIVE_DOT:
+        s_a = s_t
+        if A_ON_LOAD:
+            # codes for the dot (their group scale goes to _mac, a tensor scale to the end);
+            # FMA multiplies in fp32: the codes' values, scale folded in
+            a, s_a = _quantize_a(a, s_t, r_t, A_FMT, A_GROUP, EXACT_CAST)
+            if not NATIVE_DOT:
+                a = (a.to(tl.float32) * s_a[:, None]).to(OP_DTYPE)
+        elif not NATIVE_DOT:
             if A_PER_K:
                 s_a = _k_scales(as_row_ptr, row_ok, k0, KD, stride_ask, A_FMT, A_GROUP, BLOCK_M, BLOCK_K)
                 a = (a.to(tl.float32) * s_a).to(OP_DTYPE)
@@ -575,7 +652,7 @@ def _grouped_gemm_kernel(
             acc, a, g_cols, n_ok, g0, k0, offs_k, k_ok, KD, num_w_groups, w_base, ws_base, wz_base, g_base,
             as_row_ptr, row_ok, stride_wn, stride_wk, stride_wsn, stride_wsk, stride_gk, stride_ask,
             W_FMT, A_GROUP, W_BN, W_BK, W_UNIFORM, ACT_ORDER, HAS_ZERO, NATIVE_DOT, INT_ACC, FMA, OP_DTYPE, BLOCK_N,
-            BLOCK_K,
+            BLOCK_K, s_a, A_ON_LOAD,
         )  # fmt: skip
         b_u = b
         if GATED:
@@ -583,17 +660,27 @@ def _grouped_gemm_kernel(
                 acc_u, a, u_cols, n_ok, u0, k0, offs_k, k_ok, KD, num_w_groups, w_base, ws_base, wz_base, g_base,
                 as_row_ptr, row_ok, stride_wn, stride_wk, stride_wsn, stride_wsk, stride_gk, stride_ask,
                 W_FMT, A_GROUP, W_BN, W_BK, W_UNIFORM, ACT_ORDER, HAS_ZERO, NATIVE_DOT, INT_ACC, FMA, OP_DTYPE,
-                BLOCK_N, BLOCK_K,
+                BLOCK_N, BLOCK_K, s_a, A_ON_LOAD,
             )  # fmt: skip
         if FMA:
             acc, acc_u = _fma_rows(acc, acc_u, a, b, b_u, GATED, BLOCK_M)
 
     # ---- epilogue: remaining scales, bias, activation, router weight, store (quantized)
+    A_END_FMT: tl.constexpr = "float" if A_ON_LOAD else A_FMT  # A's scales, if any left, at the end
+    if A_ON_LOAD and NATIVE_DOT and A_GROUP == 0:
+        acc = acc.to(tl.float32) * s_t
+        acc_u = acc_u.to(tl.float32) * s_t
     acc = _act_epilogue(
         acc, acc_u, e, g_cols, u_cols, n_ok, row_ok, c_rows, as_row_ptr, ws_base, w_gscale_ptr, a_gscale_ptr, bias_ptr,
         route_w_ptr, alpha, limit, stride_age, stride_wsn, stride_be, stride_bn, stride_re, stride_rm,
-        A_FMT, A_GROUP, W_FMT, W_BK, HAS_A_GSCALE, HAS_W_GSCALE, HAS_BIAS, MUL_ROUTED_WEIGHT, ACT, GATED,
+        A_END_FMT, A_GROUP, W_FMT, W_BK, HAS_A_GSCALE, HAS_W_GSCALE, HAS_BIAS, MUL_ROUTED_WEIGHT, ACT, GATED,
     )  # fmt: skip
     c_ptrs = c_ptr + e * stride_ce + c_rows[:, None] * stride_cm + offs_n[None, :] * stride_cn
     c_mask = row_ok[:, None] & n_ok[None, :]
-    _store_c(c_ptrs, acc, c_mask, c_scale_ptr, OUT_QUANT, EXACT_CAST)
+    STORE: tl.constexpr = "none" if OUT_QUANT == "amax_slots" else OUT_QUANT
+    _store_c(c_ptrs, acc, c_mask, c_scale_ptr, STORE, EXACT_CAST)
+    if OUT_QUANT == "amax_slots":
+        # this program's abs-max in its own slot: no atomic, and no zeroed buffer (every program
+        # writes its slot, _no_rows where it has no rows); the next launch reads the slots' max
+        tile = _tile_abs_max(acc.to(c_ptrs.dtype.element_ty), c_mask)
+        tl.store(c_scale_ptr.to(tl.pointer_type(tl.int32)) + pid, tile)

@@ -322,13 +322,13 @@ def _persistent_gemm_kernel(
             b = _w_operand(w_desc, w_row, k0, W_FMT, NATIVE, DOT_DTYPE)
             acc = _mac(
                 acc, a, b, as_row_ptr, row_ok, ws_base, g_cols, g_ok, g0, k0, stride_ask, stride_wsn, stride_wsk,
-                W_FMT, A_GROUP, W_BN, W_BK, W_UNIFORM, NATIVE, INT_ACC, DOT_DTYPE,
+                W_FMT, A_GROUP, W_BN, W_BK, W_UNIFORM, NATIVE, INT_ACC, DOT_DTYPE, 1.0, False,
             )  # fmt: skip
             if GATED and not INTERLEAVED:
                 b_u = _w_operand(w_desc, w_row + N, k0, W_FMT, NATIVE, DOT_DTYPE)
                 acc_u = _mac(
                     acc_u, a, b_u, as_row_ptr, row_ok, ws_base, u_cols, u_ok, g0 + N, k0, stride_ask, stride_wsn,
-                    stride_wsk, W_FMT, A_GROUP, W_BN, W_BK, W_UNIFORM, NATIVE, INT_ACC, DOT_DTYPE,
+                    stride_wsk, W_FMT, A_GROUP, W_BN, W_BK, W_UNIFORM, NATIVE, INT_ACC, DOT_DTYPE, 1.0, False,
                 )  # fmt: skip
 
         if WIDE:  # columns 2j, 2j + 1 of the accumulator are gate and up of output column j

@@ -109,7 +109,8 @@ def act_quant_launch(
     (their output rows keep whatever they held) and a per-tensor dynamic scale covers only
     the rows computed.
     ``amax``: a per-tensor dynamic scale's abs-max of ``x``, already there (fp32 [1], as the first
-    pass leaves it; raised by GEMM1's epilogue, ``ActEpilogue.track_amax``): only the codes pass runs.
+    pass leaves it; raised by GEMM1's epilogue, ``ActEpilogue.track_amax``, or its int32 per-program
+    slots, ``amax_slots``): only the codes pass runs.
     """
     # 101 lines: maps every tensor to the kernel's pointers, strides and constexprs in its argument order; split, that
     # order would be spread over several functions.
@@ -125,7 +126,7 @@ def act_quant_launch(
     quant, kind, group = _kind(tq, scale)
     if amax is not None:
         expect(kind == "tensor_dyn", "amax", "given only for a per-tensor dynamic scale", tq)
-        expect(amax.dtype == torch.float32 and amax.numel() == 1, "amax", "an fp32 [1] abs-max", amax)
+        amax = known_amax(amax)
     dev = x.device
     data_dtype = {"none": out_dtype or x.dtype, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
     data_dtype.update(mxfp8=torch.float8_e4m3fn, nvfp4=torch.uint8)
@@ -158,7 +159,7 @@ def act_quant_launch(
         if amax is None:
             s_out.fill_(1.0)
         else:
-            s_out.copy_(_scale_of_amax(amax, tq))
+            s_out.copy_(scale_of_amax(amax, tq))
     if m > 0 and cols > 0:
         known = amax is not None
         tile = _one_program_tile(m, cols) if kind == "tensor_dyn" and not known else None
@@ -181,6 +182,7 @@ def act_quant_launch(
             x.stride(0),
             q_arg.stride(0),
             0 if s_out is None or s_out.shape[0] == 1 else s_out.stride(0),
+            amax.numel() if known else 1,
             alpha,
             limit,
         )
@@ -226,10 +228,27 @@ def _fill(out: QTensor | torch.Tensor | None, res: QTensor | torch.Tensor) -> QT
     return QTensor(out.data, res.shape, scale=res.scale, global_scale=res.global_scale)
 
 
-def _scale_of_amax(amax: torch.Tensor, tq: TensorQuant) -> torch.Tensor:
-    """The [1, 1] per-tensor scale a known abs-max gives, as the kernels make it (quant.linear's
-    rule: amax / qmax, 1 for 0, NaN kept)."""
-    a = amax.reshape(1, 1).float()
+def known_amax(amax: torch.Tensor | None, name: str = "amax") -> torch.Tensor:
+    """A known abs-max as the kernels read it, int32 |bits| (checked and viewed, not copied): the
+    fp32 [1] that a first pass or GEMM1's "amax" epilogue raised, or the int32 [n] slots of an
+    "amax_slots" one (``gemm_format.ActEpilogue``)."""
+    ok = amax is not None and amax.dim() == 1 and amax.is_contiguous() and amax.numel() >= 1
+    ok = ok and (amax.dtype == torch.int32 or (amax.dtype == torch.float32 and amax.numel() == 1))
+    expect(ok, name, "an fp32 [1] abs-max or int32 [n] abs-max slots (ActEpilogue.amax_slots)", amax)
+    return amax.view(torch.int32)
+
+
+def amax_value(amax: torch.Tensor) -> torch.Tensor:
+    """A known abs-max as fp32 [1]: the fp32 [1] itself, or the max of int32 |bits| slots."""
+    if amax.dtype == torch.int32:
+        return amax.reshape(-1).max().reshape(1).view(torch.float32)
+    return amax.reshape(1).float()
+
+
+def scale_of_amax(amax: torch.Tensor, tq: TensorQuant) -> torch.Tensor:
+    """The [1, 1] per-tensor scale a known abs-max (``amax_value``) gives, as the kernels make it
+    (quant.linear's rule: amax / qmax, 1 for 0, NaN kept)."""
+    a = amax_value(amax).reshape(1, 1)
     s = a / (FP8_MAX if tq.dtype is QDtype.FP8 else INT8_MAX)
     return torch.where(a > 0, s, torch.where(a.isnan(), a, torch.ones_like(a)))
 
@@ -258,7 +277,7 @@ def quantize_activations(
     """
     if not _use_kernel(x):
         if amax is not None:
-            scale, tq = _scale_of_amax(amax, tq), replace(tq, dynamic=False)
+            scale, tq = scale_of_amax(amax, tq), replace(tq, dynamic=False)
         ref = quantize_activations_ref(_zero_masked(x, row_mask), tq, scale=scale, global_scale=global_scale)
         return _fill(out, ref)
     return act_quant_launch(x, tq, scale=scale, global_scale=global_scale, out=out, row_mask=row_mask, amax=amax)

@@ -39,6 +39,8 @@ class GemmFormat:
     w_bn, w_bk: 0, 0 = one weight scale per output column (tensor or channel), else the
     block along N and K one scale covers (a group g is block (1, g)).
     native: w8a8, the stored bytes feed the tensor cores.
+    a_on_load: A comes in the model dtype and the kernel quantizes it as a_fmt / a_group (dynamic
+    scales) as it loads each tile (``grouped_gemm(quantize_a=...)``).
     """
 
     a_fmt: str = "float"
@@ -48,6 +50,7 @@ class GemmFormat:
     w_bk: int = 0
     act_order: bool = False
     has_zero: bool = False
+    a_on_load: bool = False
 
     @property
     def native(self) -> bool:
@@ -67,7 +70,13 @@ class GemmFormat:
 
     @classmethod
     def of(
-        cls, w_quant: TensorQuant | None, a_quant: TensorQuant | None, n: int, k: int, has_zero: bool = False
+        cls,
+        w_quant: TensorQuant | None,
+        a_quant: TensorQuant | None,
+        n: int,
+        k: int,
+        has_zero: bool = False,
+        a_on_load: bool = False,
     ) -> GemmFormat:
         a_fmt, a_group = "float", 0
         if a_quant is not None:
@@ -77,7 +86,7 @@ class GemmFormat:
             expect(g.kind in ("tensor", "token", "group"), "a_quant.granularity", "tensor, token or group", g)
             a_group = g.group_size if g.kind == "group" else 0
         if w_quant is None:
-            return cls(a_fmt=a_fmt, a_group=a_group)
+            return cls(a_fmt=a_fmt, a_group=a_group, a_on_load=a_on_load)
         expect(w_quant.dtype in _W_FORMATS, "w_quant.dtype", f"one of {list(_W_FORMATS)}", w_quant.dtype)
         w_fmt = _W_FORMATS[w_quant.dtype]
         g = w_quant.granularity
@@ -88,7 +97,7 @@ class GemmFormat:
             bn, bk = g.block_n, g.block_k
         elif w_fmt == "int4":  # int4 subtracts its zero per element: always fold the scale
             bn, bk = (1 if g.kind == "channel" else n), k
-        return cls(a_fmt, a_group, w_fmt, bn, bk, w_quant.act_order, has_zero)
+        return cls(a_fmt, a_group, w_fmt, bn, bk, w_quant.act_order, has_zero, a_on_load)
 
 
 _OUT_QUANT = {QDtype.FP8: ("fp8", torch.float8_e4m3fn), QDtype.INT8: ("int8", torch.int8)}
@@ -107,6 +116,11 @@ class ActEpilogue:
     zeroed before the call's first GEMM1 launch) to the abs-max of C's written values as
     stored (an atomic integer max of their |bits|, so a NaN is kept and the order of programs
     does not matter): what a per-tensor dynamic scale of C needs, without a pass over C.
+    ``amax_slots`` (with ``track_amax``; the non-persistent kernel): instead each program writes
+    its tile's abs-max |bits| to its own int32 slot of ``act_scale`` ([grid size],
+    ``amax_slot_count``), 0 where it has no rows: no atomic and no buffer to zero first (one
+    launch fewer at decode, where the grid is a few hundred programs); the abs-max is the max
+    of the slots (``grouped_gemm(quantize_a=..., a_amax=slots)`` takes it so).
     """
 
     activation: Activation = Activation.SILU
@@ -115,6 +129,7 @@ class ActEpilogue:
     swiglu_limit: float = 7.0
     quant: TensorQuant | None = None
     track_amax: bool = False
+    amax_slots: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.activation, Activation):
@@ -130,6 +145,12 @@ class ActEpilogue:
             "ActEpilogue.track_amax",
             "False when C is quantized (the abs-max is tracked for a C in the model dtype)",
             self.track_amax,
+        )
+        expect(
+            self.track_amax or not self.amax_slots,
+            "ActEpilogue.amax_slots",
+            "False unless track_amax (the slots hold the tracked abs-max)",
+            self.amax_slots,
         )
         expect(
             self.activation.is_gated or not self.gate_up_interleaved,
@@ -158,28 +179,54 @@ class ActEpilogue:
 
 
 def out_quant(act: ActEpilogue | None) -> str:
-    """The kernels' OUT_QUANT for GEMM1's epilogue: "none", "amax" (model dtype, abs-max
-    tracked), or the static code format "fp8" / "int8" (the persistent kernel adds
+    """The kernels' OUT_QUANT for GEMM1's epilogue: "none", "amax" / "amax_slots" (model dtype,
+    abs-max tracked), or the static code format "fp8" / "int8" (the persistent kernel adds
     "fp8_group" for dynamic 1 x g groups itself)."""
     if act is None or act.quant is None:
-        return "amax" if act is not None and act.track_amax else "none"
+        if act is None or not act.track_amax:
+            return "none"
+        return "amax_slots" if act.amax_slots else "amax"
     return _OUT_QUANT[act.quant.dtype][0]
 
 
-def amax_buffer(act_scale: torch.Tensor | None) -> torch.Tensor:
-    """``act_scale`` as the fp32 [1] running abs-max a ``track_amax`` epilogue raises (checked, not copied)."""
-    ok = act_scale is not None and act_scale.numel() == 1 and act_scale.dtype == torch.float32
-    expect(ok and act_scale.is_contiguous(), "act_scale", "the contiguous fp32 [1] abs-max buffer", act_scale)
+def amax_buffer(act_scale: torch.Tensor | None, slots: int | None = None) -> torch.Tensor:
+    """``act_scale`` as the abs-max a ``track_amax`` epilogue raises, checked, not copied: the
+    fp32 [1] running max, or (``slots``) the int32 [slots] per-program slots (``amax_slots``)."""
+    want = torch.float32 if slots is None else torch.int32
+    n = 1 if slots is None else slots
+    ok = act_scale is not None and act_scale.numel() == n and act_scale.dtype == want
+    what = "the contiguous fp32 [1] abs-max buffer" if slots is None else f"int32 [{slots}] abs-max slots"
+    expect(ok and act_scale.is_contiguous(), "act_scale", what, act_scale)
     return act_scale
 
 
-def epilogue_scale(oq: str, act_scale: torch.Tensor | None) -> torch.Tensor | None:
+def amax_slot_count(num_m_blocks: int, n: int, block_n: int) -> int:
+    """Slots of an "amax_slots" epilogue: one per program of the non-persistent kernel's grid."""
+    return num_m_blocks * cdiv(n, block_n)
+
+
+def epilogue_scale(oq: str, act_scale: torch.Tensor | None, slots: int = 0) -> torch.Tensor | None:
     """What a kernel's ``c_scale_ptr`` gets for OUT_QUANT ``oq`` (``out_quant``): the abs-max
-    buffer itself ("amax", raised in place, so never a copy), the static scale as fp32 [1]
-    ("fp8" / "int8"), else None."""
+    buffer itself ("amax", raised in place, so never a copy; "amax_slots", ``slots`` of them),
+    the static scale as fp32 [1] ("fp8" / "int8"), else None."""
     if oq == "amax":
         return amax_buffer(act_scale)
+    if oq == "amax_slots":
+        return amax_buffer(act_scale, slots)
     return act_scale.reshape(1).float().contiguous() if oq != "none" else None
+
+
+def on_load_why(tq: TensorQuant | None) -> str | None:
+    """Why a GEMM cannot quantize its A tile as it loads it as ``tq`` (``grouped_gemm(quantize_a=)``),
+    or None: a dynamic fp8/int8 scale per tensor (from an abs-max GEMM1 raised) or per 1 x g
+    group of a row (from the tile itself)."""
+    if tq is None or tq.dtype not in (QDtype.FP8, QDtype.INT8):
+        return "dynamic fp8 or int8 activations only"
+    if not tq.dynamic:
+        return f"{tq.short}: a static scale (the epilogue of GEMM1 quantizes with it)"
+    if tq.granularity.kind not in ("tensor", "group"):
+        return f"{tq.short}: per tensor or per 1 x g group only (a token scale needs the whole row first)"
+    return None
 
 
 @dataclass(frozen=True)
@@ -197,6 +244,7 @@ class GemmCall:
     route_weights: torch.Tensor | None = None
     act: ActEpilogue | None = None
     act_scale: torch.Tensor | None = None
+    a_amax: torch.Tensor | None = None  # A quantized on load per tensor: its abs-max (``act_quant.known_amax``)
 
     def unpacked(self) -> tuple:
         """(routing, counts, a_div, bias, route_weights, act, act_scale)."""

@@ -46,11 +46,12 @@ import triton.language as tl
 from ..activations import apply_activation
 from ..errors import expect
 from ..metadata import AlignedRouting
-from ..quant import Operand, dequantize, fake_quantize, quantize
+from ..quant import Operand, TensorQuant, dequantize, fake_quantize, quantize
 from ..quant.w4_layout import is_w4
 from . import grouped_gemm_persistent as _persistent
 from ._common import cdiv, interpreting
 from ._grouped_gemm import _grouped_gemm_kernel
+from .act_quant import known_amax, scale_of_amax
 from .gemm_format import (
     _TL_DTYPE,
     ActEpilogue,
@@ -61,6 +62,7 @@ from .gemm_format import (
     _u8,
     amax_buffer,
     epilogue_scale,
+    on_load_why,
     optional_ptrs,
     out_quant,
     scheme_key,
@@ -101,6 +103,8 @@ def grouped_gemm_launch(
     rows = RowBlocks.of(a, e_l, cfg.block_m, routing)
     if rows.num_m_blocks == 0 or n == 0 or c.numel() == 0:
         return
+    if fmt.a_on_load:  # a per-tensor scale from the abs-max GEMM1 left; group scales from the tile
+        a_scale = known_amax(call.a_amax, "a_amax") if fmt.a_group == 0 else None
     c_arg = _u8(c)  # fp8 codes are stored as bytes
     dummy = c_arg
     a_scale = _u8(a_scale)
@@ -118,7 +122,8 @@ def grouped_gemm_launch(
     g_idx = w.g_idx if fmt.act_order else None
     route_weights, rw_str = rows.route_weights(route_weights)
     oq = out_quant(act)
-    c_scale = epilogue_scale(oq, act_scale)
+    grid = (rows.num_m_blocks * cdiv(n, cfg.block_n),)
+    c_scale = epilogue_scale(oq, act_scale, slots=grid[0])
     # the dot path's operand dtype; the FMA path (BM < 16) always multiplies in fp32
     if interpreting():
         dot_dtype = tl.float32  # the interpreter's bf16/fp16 dot multiplies raw bits
@@ -129,7 +134,6 @@ def grouped_gemm_launch(
     batched = rows.batched
     sorted_ids, block_expert = (None, None) if batched else (routing.sorted_ids, routing.block_expert)
 
-    grid = (rows.num_m_blocks * cdiv(n, cfg.block_n),)
     launch(
         _grouped_gemm_kernel,
         grid,
@@ -144,6 +148,7 @@ def grouped_gemm_launch(
         rows.blocks_per_expert,
         rows.num_m_blocks,
         e_l,
+        a_scale.numel() if fmt.a_on_load and a_scale is not None else 0,
         1.702 if act is None else act.swiglu_alpha,
         7.0 if act is None else act.swiglu_limit,
         *rows.strides(a),
@@ -155,6 +160,7 @@ def grouped_gemm_launch(
         *(bias.stride() if bias is not None else (0, 0)),
         *rw_str,
         *rows.strides(c),
+        A_ON_LOAD=fmt.a_on_load,
         ACT_ORDER=g_idx is not None,
         HAS_ZERO=w.zero is not None,
         HAS_A_GSCALE=ag is not None,
@@ -166,14 +172,22 @@ def grouped_gemm_launch(
 
 
 def _prepare(
-    a: Operand, w: Operand, bias, out_dtype, rows_hint: int, config, act, act_scale
+    a: Operand, w: Operand, bias, out_dtype, rows_hint: int, config, act, act_scale, quantize_a=None, a_amax=None
 ) -> tuple[GemmFormat, LaunchConfig, torch.dtype, int]:
     """Validated operands: (format, fitted launch config, C's dtype, C's columns)."""
     expect(len(w.shape) == 3, "w", "a [E, N, K] weight", w.shape)
     e_l, n, kd = w.shape
     expect(a.shape[-1] == kd, "a", f"K = {kd} columns (W is {tuple(w.shape)})", tuple(a.shape))
     expect((w.quant is None) == (w.scale is None), "w.quant", "given exactly when w has a scale", w.quant)
-    fmt = GemmFormat.of(w.quant, a.quant, n, kd, w.q.zero is not None)
+    on_load = quantize_a is not None
+    fmt = GemmFormat.of(w.quant, quantize_a if on_load else a.quant, n, kd, w.q.zero is not None, on_load)
+    if on_load:
+        why = on_load_why(quantize_a)
+        expect(why is None, "quantize_a", f"a scheme the kernel can quantize A with as it loads it ({why})", quantize_a)
+        expect(a.quant is None, "a", "values in the model dtype when quantize_a is given", a.quant)
+        expect(fmt.native and not is_w4(w.q), "w", f"{quantize_a.short} codes' own weights (native w8a8)", w.quant)
+        if fmt.a_group == 0:
+            known_amax(a_amax, "a_amax")
     if a.quant is None:
         expect(a.data.dtype in _TL_DTYPE, "a", "bf16/fp16/fp32 when a.quant is None", a.data.dtype)
     else:
@@ -188,7 +202,7 @@ def _prepare(
         if act.activation.is_gated:
             expect(n % 2 == 0, "w", f"an even number of rows [E, 2I, K] for {act.activation.value}", w.shape)
         n_out = act.out_cols(n)
-        if act.track_amax:
+        if act.track_amax and not act.amax_slots:  # (the slots' count is the grid's: checked at launch)
             amax_buffer(act_scale)
         if act.quant is not None:
             ok = act_scale is not None and act_scale.numel() == 1
@@ -202,6 +216,10 @@ def _prepare(
         config = pick_launch_config(rows_hint, e_l, n, kd, scheme_key(w.quant, a.quant))
         if act is not None and act.activation.is_gated:
             config = gated_act_config(config)
+    if on_load and fmt.a_group:  # a tile holds one group of each row: its scale comes from the tile
+        config = replace(config, block_k=fmt.a_group)
+    if on_load or (act is not None and act.amax_slots):  # the non-persistent kernel's features
+        config = replace(config, persistent=False)
     return fmt, fit_launch_config(config, fmt.k_group, strict=fmt.native), out_dtype, n_out
 
 
@@ -220,7 +238,11 @@ def _fill_from_ref(out: torch.Tensor, ref_fn, act: ActEpilogue | None, act_scale
         out[written] = quantize(ref[written], act.quant, scale=act_scale.reshape(1, 1)).data
         return out
     out[written] = ref[written].to(out.dtype)
-    if act is not None and act.track_amax and bool(written.any()):
+    if act is not None and act.amax_slots:  # one slot holds the abs-max, the others 0 (a max of slots)
+        act_scale.zero_()
+        if bool(written.any()):
+            act_scale[:1] = out[written].float().abs().amax().reshape(1).view(torch.int32)
+    elif act is not None and act.track_amax and bool(written.any()):
         amax = out[written].float().abs().amax().reshape(1)
         act_scale.copy_(torch.where(amax.isnan() | (amax > act_scale), amax, act_scale))
     return out
@@ -239,6 +261,8 @@ def grouped_gemm(
     config: LaunchConfig | None = None,
     act: ActEpilogue | None = None,
     act_scale: torch.Tensor | None = None,
+    quantize_a: TensorQuant | None = None,
+    a_amax: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """C [T*K, N] = per-pair A rows @ W[e]^T (+ bias[e]) (* topk weight), standard layout.
 
@@ -252,12 +276,18 @@ def grouped_gemm(
          weight), stored in the model dtype or as ``act.quant`` codes with the static scale
          ``act_scale`` [1] or [1, 1] (see ``ActEpilogue``). ``config.block_n`` then counts C's
          columns (with ``config`` None the picked GEMM1 config gets ``gated_act_config``).
+    quantize_a: A (in the model dtype) is quantized as this dynamic fp8/int8 scheme as each tile
+         is loaded (``on_load_why``), with the codes and scales ``quantize_activations`` would
+         give: no quantization launch, no codes in memory. Per 1 x g group: from the tile
+         (BK becomes g). Per tensor: from ``a_amax``, the abs-max of A's rows that are read,
+         as GEMM1's abs-max epilogue leaves it (fp32 [1] or int32 slots, ``ActEpilogue``).
+         Native w8a8 weights only.
     config.block_m is replaced by ``routing.block_m`` (the tile is the aligned block).
     Rows of C that belong to no local pair keep their contents (``out``) or are
     uninitialised (a new tensor).
     """
     num_pairs = routing.num_pairs
-    fmt, cfg, out_dtype, n = _prepare(a, w, bias, out_dtype, num_pairs, config, act, act_scale)
+    fmt, cfg, out_dtype, n = _prepare(a, w, bias, out_dtype, num_pairs, config, act, act_scale, quantize_a, a_amax)
     cfg = replace(cfg, block_m=routing.block_m)
     rows = a.shape[0]
     expect(rows * a_div == num_pairs, "a", f"{num_pairs // max(a_div, 1)} rows for a_div={a_div}", rows)
@@ -277,11 +307,12 @@ def grouped_gemm(
         def ref_fn(ep):
             return grouped_gemm_ref(
                 a, w, routing, bias=bias, topk_weights=topk_weights, a_div=a_div, act=ep, act_scale=act_scale,
-                dtype=torch.float32,
+                quantize_a=quantize_a, a_amax=a_amax, dtype=torch.float32,
             )  # fmt: skip
 
         return _fill_from_ref(out, ref_fn, act, act_scale)
-    call = GemmCall(routing, a_div=a_div, bias=bias, route_weights=topk_weights, act=act, act_scale=act_scale)
+    call = GemmCall(routing, a_div=a_div, bias=bias, route_weights=topk_weights, act=act, act_scale=act_scale,
+                    a_amax=a_amax)  # fmt: skip
     grouped_gemm_launch(a, w, out, fmt, cfg, call)
     return out
 
@@ -338,6 +369,17 @@ def _values(x: Operand, dtype) -> torch.Tensor:
     return x.data.to(dtype) if x.quant is None else dequantize(x.q, x.quant, dtype)
 
 
+def quantized_on_load_ref(a: torch.Tensor, tq: TensorQuant, a_amax: torch.Tensor | None = None) -> Operand:
+    """What a GEMM with ``quantize_a=tq`` multiplies: ``a`` quantized as ``tq`` by ``quantize``,
+    a per-tensor scale made from ``a_amax`` (the max of its fp32 [1] value or int32 |bits|
+    slots, by the kernels' rule) rather than from every row of ``a`` (rows no pair reads may
+    hold anything)."""
+    if tq.granularity.kind != "tensor":
+        return Operand(quantize(a, tq), tq)
+    scale = scale_of_amax(a_amax, tq)
+    return Operand(quantize(a, replace(tq, dynamic=False), scale=scale), tq)
+
+
 def _epilogue_ref(y, bias, weights, act, dtype) -> torch.Tensor:
     """Bias, activation (``apply_activation``), router weight: the kernel's epilogue order."""
     if bias is not None:
@@ -368,11 +410,16 @@ def grouped_gemm_ref(
     a_div: int = 1,
     act: ActEpilogue | None = None,
     act_scale: torch.Tensor | None = None,
+    quantize_a: TensorQuant | None = None,
+    a_amax: torch.Tensor | None = None,
     dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor:
     """``grouped_gemm`` from dequantized operands in ``dtype``; rows not written are NaN.
 
-    With ``act.quant``, the values of the codes (``fake_quantize``), not the codes."""
+    With ``act.quant``, the values of the codes (``fake_quantize``), not the codes. With
+    ``quantize_a``, A's values quantized so (``quantized_on_load_ref``)."""
+    if quantize_a is not None:
+        a = quantized_on_load_ref(a.data, quantize_a, a_amax)
     n = w.shape[1]
     n_out = n if act is None else act.out_cols(n)
     ad = _values(a, dtype)

@@ -127,6 +127,10 @@ def supports(
         return f"{fmt.a_fmt} activations are not served"
     if fmt.act_order or fmt.has_zero:
         return "act-order and zero points are not served"
+    if fmt.a_on_load:
+        return "A quantized as it is loaded: the non-persistent kernel's (decode) feature"
+    if act is not None and act.amax_slots:
+        return "per-program abs-max slots: the non-persistent kernel's grid"
     if fmt.a_fmt != "float" and not fmt.native:
         return f"{fmt.a_fmt} activations need {fmt.a_fmt} weights (native w8a8)"
     if fmt.a_fmt == "float" and fmt.w_fmt != "float" and fmt.w_bk:
