@@ -158,6 +158,10 @@ def test_on_load_refuses_what_it_cannot_do():
     bf16_w = Operand.of(torch.zeros(E, N, KD, dtype=torch.bfloat16, device=DEVICE))
     with pytest.raises(FusedMoEError, match="^w: "):
         grouped_gemm(Operand.of(a), bf16_w, routing, quantize_a=scheme.a2, a_amax=_amax(a, "fp32"))
+    with pytest.raises(FusedMoEError, match="^a_amax: "):  # two fp32 values: neither form
+        grouped_gemm(Operand.of(a), w, routing, quantize_a=scheme.a2, a_amax=torch.ones(2, device=DEVICE))
+    with pytest.raises(FusedMoEError, match="^amax: "):
+        quantize_activations(a, scheme.a2, amax=torch.ones(1, dtype=torch.float64, device=DEVICE))
     with pytest.raises(FusedMoEError, match="amax_slots"):
         ActEpilogue(Activation.SILU, amax_slots=True)
     ep = ActEpilogue(Activation.SILU, track_amax=True, amax_slots=True)

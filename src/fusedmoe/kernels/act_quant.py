@@ -275,6 +275,8 @@ def quantize_activations(
     scale's abs-max, already known (``act_quant_launch``). On the CPU without the
     interpreter this is ``quantize_activations_ref``.
     """
+    if amax is not None:
+        amax = known_amax(amax)
     if not _use_kernel(x):
         if amax is not None:
             scale, tq = scale_of_amax(amax, tq), replace(tq, dynamic=False)
