@@ -105,17 +105,6 @@ def positive_int(name: str) -> int | None:
     return int(v)
 
 
-def count(name: str, default: int) -> int:
-    """A non-negative integer variable, or ``default`` when unset."""
-    v = raw(name)
-    if v is None:
-        return default
-    if not v.isdigit():
-        what = "auto or an integer >= 0" if name == QUANT_ON_LOAD else "an integer >= 0"
-        raise FusedMoEError(f"{name}: expected {what}, got {v!r}")
-    return int(v)
-
-
 def names(name: str) -> list[str]:
     """A comma-separated list of names (empty entries dropped)."""
     v = raw(name)
@@ -164,7 +153,11 @@ def quant_on_load() -> int | None:
     ``experts.triton``), else the number of pairs up to which every call that can does it (0:
     none). Read when the Triton experts are built."""
     v = raw(QUANT_ON_LOAD)
-    return None if v is None or v.lower() == "auto" else count(QUANT_ON_LOAD, 0)
+    if v is None or v.lower() == "auto":
+        return None
+    if not v.isdigit():
+        raise FusedMoEError(f"{QUANT_ON_LOAD}: expected auto or an integer >= 0, got {v!r}")
+    return int(v)
 
 
 def fused_routing() -> bool:
