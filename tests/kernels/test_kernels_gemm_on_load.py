@@ -45,21 +45,23 @@ needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 
 E, N, KD = 3, 96, 256  # N not a multiple of BN 64; KD two 128-groups
 
-# (label, scheme, BM, routing, abs-max form): BM 16 is the tl.dot path, BM < 16 the FMA path
+# (label, scheme, BM, routing, abs-max form, A rows per token): BM 16 is the tl.dot path, BM < 16
+# the FMA path; one A row per pair (GEMM2's a2) or per token (a_div = K, as GEMM1 reads x)
 CASES = [
-    ("fp8 tensor, dot, pair blocks, fp32 abs-max", "fp8_tensor", 16, "pairs", "fp32"),
-    ("fp8 tensor, FMA BM 4, aligned, slots", "fp8_tensor", 4, "aligned", "slots"),
-    ("fp8 groups, dot, aligned", "fp8_block", 16, "aligned", None),
-    ("fp8 groups, FMA BM 1, pair blocks", "fp8_block", 1, "pairs", None),
-    ("int8 tensor, dot, aligned, slots", "int8_w8a8_tensor", 16, "aligned", "slots"),
-    ("int8 groups, FMA BM 2, aligned", "int8_w8a8_block", 2, "aligned", None),
+    ("fp8 tensor, dot, pair blocks, fp32 abs-max", "fp8_tensor", 16, "pairs", "fp32", 2),
+    ("fp8 tensor, FMA BM 4, aligned, slots", "fp8_tensor", 4, "aligned", "slots", 2),
+    ("fp8 groups, dot, aligned", "fp8_block", 16, "aligned", None, 2),
+    ("fp8 groups, FMA BM 1, pair blocks", "fp8_block", 1, "pairs", None, 2),
+    ("fp8 groups, dot, a row per token (a_div = K)", "fp8_block", 16, "aligned", None, 1),
+    ("int8 tensor, dot, aligned, slots", "int8_w8a8_tensor", 16, "aligned", "slots", 2),
+    ("int8 groups, FMA BM 2, aligned", "int8_w8a8_block", 2, "aligned", None, 2),
 ]
 
 
-def _operands(name: str, t: int, k: int, seed: int):
+def _operands(name: str, t: int, k: int, seed: int, rows_per_token: int | None = None):
     scheme = QuantScheme.by_name(name)
     g = torch.Generator(device=DEVICE).manual_seed(seed)
-    a = (torch.randn(t * k, KD, generator=g, device=DEVICE) * 3).to(torch.bfloat16)
+    a = (torch.randn(t * (rows_per_token or k), KD, generator=g, device=DEVICE) * 3).to(torch.bfloat16)
     a[0, 5] = 40.0  # one large value: the per-tensor scale is not every row's own
     w = torch.randn(E, N, KD, generator=g, device=DEVICE) * KD**-0.5
     ids, tw = random_topk(t, E, k, g)
@@ -84,18 +86,20 @@ def _amax(a: torch.Tensor, form: str | None) -> torch.Tensor | None:
 
 
 @needs_triton
-@pytest.mark.parametrize("label, name, bm, kind, form", CASES, ids=[c[0] for c in CASES])
-def test_on_load_matches_codes_path_and_reference(label, name, bm, kind, form):
+@pytest.mark.parametrize("label, name, bm, kind, form, per_token", CASES, ids=[c[0] for c in CASES])
+def test_on_load_matches_codes_path_and_reference(label, name, bm, kind, form, per_token):
     t, k = 5, 2
-    scheme, a, w, ids, tw = _operands(name, t, k, seed=bm)
+    scheme, a, w, ids, tw = _operands(name, t, k, seed=bm, rows_per_token=per_token)
     routing = _routing(ids, bm, kind)
     cfg = LaunchConfig(block_m=bm, block_n=64, block_k=128, group_m=2, num_warps=4, num_stages=2)
     amax = _amax(a, form)
+    kw = dict(topk_weights=tw, config=cfg, a_div=k // per_token)
     out = poison_(torch.empty(t * k, N, dtype=torch.bfloat16, device=DEVICE))
-    grouped_gemm(Operand.of(a), w, routing, topk_weights=tw, out=out, config=cfg, quantize_a=scheme.a2, a_amax=amax)
+    grouped_gemm(Operand.of(a), w, routing, out=out, quantize_a=scheme.a2, a_amax=amax, **kw)
     codes = quantize_activations(a, scheme.a2)
-    via_codes = grouped_gemm(Operand(codes, scheme.a2), w, routing, topk_weights=tw, config=cfg)
-    ref = grouped_gemm_ref(Operand.of(a), w, routing, topk_weights=tw, quantize_a=scheme.a2, a_amax=amax)
+    via_codes = grouped_gemm(Operand(codes, scheme.a2), w, routing, **kw)
+    kw.pop("config")
+    ref = grouped_gemm_ref(Operand.of(a), w, routing, quantize_a=scheme.a2, a_amax=amax, **kw)
     assert not out.isnan().any(), "every pair's row written"
     tol = tolerance(scheme, torch.bfloat16)
     assert rel_error(out, ref) <= tol, f"{label}: {rel_error(out, ref):.3g} > {tol:.2g}"
