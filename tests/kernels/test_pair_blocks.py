@@ -10,8 +10,9 @@ Checked, on fresh random operands with NaN-poisoned outputs:
 * ids outside [0, E) (-1, E, E + 5; int64 2^32 + 1) and a repeated id: such pairs are
   skipped, as ``moe_align`` leaves them out, and no block reads past the weights; int64 ids
   and bf16 router weights are read as given (both routings);
-* the layer (``MoEKernel``) at T = 1, where it takes pair blocks: equal to the same call with
-  them off (``pair_blocks_tokens = 0``), and to the float64 reference.
+* the layer (``MoEKernel``) at T = 1, where it takes pair blocks, and at T = 4 over 64 experts
+  with an expert every token shares: equal to the same call with them off
+  (``pair_blocks_tokens = 0``), and to the float64 reference; the rule of when it takes them.
 """
 
 from __future__ import annotations
@@ -88,12 +89,12 @@ def test_pair_blocks_gemm(scheme, bm, w4, t, ids):
     assert torch.equal(outs[0][local], outs[1][local]), "pair blocks differ from moe_align's blocks"
 
 
-def _layer_case(scheme: str, config: MoEConfig, monkeypatch) -> None:
+def _layer_case(scheme: str, config: MoEConfig, monkeypatch, t: int = 1, routing: str = "random") -> None:
     monkeypatch.setenv("FUSEDMOE_LAUNCH_PLANS", "0")  # the plain path each call
     sch = QuantScheme.by_name(scheme)
     experts = TritonExperts(config, sch)
     kernel = MoEKernel(LocalDispatcher(config, sch), experts)
-    problem = make_problem(config, sch, 1, seed=3, device=DEVICE)
+    problem = make_problem(config, sch, t, seed=3, device=DEVICE, routing=routing)
     weights = kernel.prepared(problem.weights)
     topk = TopK(problem.topk_ids, problem.topk_weights)
     aligned = []
@@ -101,7 +102,7 @@ def _layer_case(scheme: str, config: MoEConfig, monkeypatch) -> None:
         "fusedmoe.experts.triton.moe_align", lambda *a, **kw: aligned.append(1) or moe_align_ref(*a, **kw)
     )
     by_pair = kernel(problem.x, topk, weights)
-    assert not aligned, "T = 1 ran moe_align"
+    assert not aligned, f"T = {t} ran moe_align"
     experts.pair_blocks_tokens = 0
     sorted_ = kernel(problem.x, topk, weights)
     assert aligned, "pair_blocks_tokens = 0 did not align"
@@ -114,6 +115,25 @@ def _layer_case(scheme: str, config: MoEConfig, monkeypatch) -> None:
 @pytest.mark.parametrize("scheme", ["bf16", "fp8_block", "int4_g128", "mxfp4"])
 def test_layer_at_t1_takes_pair_blocks(scheme, monkeypatch):
     _layer_case(scheme, MoEConfig(num_experts=8, top_k=4, hidden_size=128, intermediate_size=128), monkeypatch)
+
+
+def test_pair_blocks_beyond_one_token_where_pairs_are_few():
+    """T = 1 always; beyond, up to 16 pairs that are at most 1/8 of the experts; a limit overrides."""
+    rule = TritonExperts.pair_blocked
+    assert rule(1, 2, 8) and not rule(2, 2, 8)  # Mixtral: T = 1 only
+    assert rule(2, 8, 128) and not rule(3, 8, 128)  # Qwen3-30B-A3B: 16 pairs of 128 experts
+    assert rule(2, 8, 256) and not rule(3, 8, 256) and not rule(4, 8, 256)  # DeepSeek-V3: not 32 pairs
+    assert rule(1, 8, 16) and not rule(2, 4, 32)  # gpt-oss-20b: 8 pairs of 32 experts are too many
+    assert rule(3, 8, 8, limit=3) and not rule(1, 8, 256, limit=0)
+
+
+@needs_triton
+@pytest.mark.parametrize("scheme", ["bf16", "fp8_tensor"])
+def test_layer_pair_blocks_with_a_shared_expert(scheme, monkeypatch):
+    """T = 4, K = 2 over 64 experts: pair blocks, with every token's first pair on expert 0 (four
+    blocks of one expert); the same bits as aligned blocks, the reference within tolerance."""
+    config = MoEConfig(num_experts=64, top_k=2, hidden_size=128, intermediate_size=128)
+    _layer_case(scheme, config, monkeypatch, t=4, routing="one_expert")
 
 
 @pytest.mark.gpu

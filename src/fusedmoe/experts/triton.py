@@ -11,7 +11,8 @@ Standard layout, per call (T tokens, K top-k, E_l local experts)::
 At T = 1 (no expert map) the pairs are not sorted: each GEMM block takes one pair, in pair
 order (``kernels.align.pair_blocks``; the K experts of one token are distinct, so sorting
 saves no weight read). That drops ``moe_align``'s launch: 6.1 us of a 59 us Qwen3-30B-A3B
-bf16 call on an H100, 10.1 us for DeepSeek-V3's 256 experts.
+bf16 call on an H100, 10.1 us for DeepSeek-V3's 256 experts. Also at up to 16 pairs that are
+at most 1/8 of the experts (T = 2 for Qwen3-30B-A3B and DeepSeek-V3; ``pair_blocked``).
 
 Fused activation (the default): GEMM1 applies the activation in its epilogue
 (``grouped_gemm(act=ActEpilogue)``), so the [T*K, 2I] h never exists. Where a2's scale is
@@ -201,6 +202,13 @@ _PLANS_KEPT = 64  # distinct pair counts planned per experts instance (prefill l
 # (31) 60.1 -> 59.6, DeepSeek-V3 (109) 116.2 -> 117.0, Mixtral (109) 125.3 -> 129.2. Per 1 x 128
 # groups it lost everywhere (the row abs-max per K step: Mixtral 130.7 -> 187.5 us), so not by default.
 _ON_LOAD_STEPS_PER_SM = 32
+# Pair blocks beyond T = 1 (``pair_blocked``), measured on an H200 (layer, CUDA graphs, against
+# aligned blocks): at T = 2, 16 pairs, Qwen3-30B-A3B's 128 experts bf16 64.8 -> 58.8 us, fp8 per
+# tensor 52.7 -> 45.3; DeepSeek-V3's 256 bf16 345.9 -> 341.9, fp8 211.4 -> 201.7. At T = 4 (32 pairs)
+# DeepSeek-V3 lost (bf16 598.9 -> 648.3, fp8 330.6 -> 358.0: an expert of 88 MB read twice costs more
+# than the launch), hence both bounds.
+_PAIR_BLOCK_PAIRS = 16
+_EXPERTS_PER_PAIR = 8
 _SMS_UNKNOWN = 132  # the interpreter, or a platform without its SM count
 
 
@@ -359,7 +367,7 @@ class _TritonBase(Experts):
                      act_scale=amax)  # fmt: skip
         return QTensor(data, (pairs, i)), amax
 
-    def _workspace(self, rows: int) -> Workspace:
+    def _workspace(self, rows: int, e_l: int | None = None) -> Workspace:
         c, ep = self.config, self.act_epilogue()
         i = c.intermediate_size
         shapes = {}
@@ -373,16 +381,15 @@ class _TritonBase(Experts):
         if self._a2_loadable and self.fuse_act:
             limit = self.quant_on_load
             if limit is None:
-                limit = self.pair_blocks_tokens * c.top_k if _tensor_dynamic(self.scheme.a2) else 0
+                limit = self._pair_block_pairs(rows, e_l) if _tensor_dynamic(self.scheme.a2) else 0
             on_load = min(rows, limit)
         if on_load:  # act(h) for GEMM2 to quantize (and its abs-max)
             shapes.setdefault("h_act", ((on_load, i), c.dtype))
             if _tensor_dynamic(self.scheme.a2):
                 shapes["a2_amax"] = ((1,), torch.float32)
         if "a2_amax" in shapes and self.layout is TokenLayout.STANDARD:
-            # pair blocks (at most pair_blocks_tokens tokens): one slot per GEMM1 program, >= 16 columns a tile
-            pairs = min(rows, self.pair_blocks_tokens * c.top_k)
-            shapes["a2_amax_slots"] = ((pairs * cdiv(i, 16),), torch.int32)
+            # pair blocks: one slot per GEMM1 program, >= 16 columns a tile
+            shapes["a2_amax_slots"] = ((self._pair_block_pairs(rows, e_l) * cdiv(i, 16),), torch.int32)
         return Workspace(shapes)
 
 
@@ -391,15 +398,33 @@ class TritonExperts(_TritonBase):
     layout = TokenLayout.STANDARD
     batched_twin = "triton_batched"
     capabilities = _caps(TokenLayout.STANDARD, "fused grouped-GEMM Triton kernels, every scheme", "triton")
-    # Calls of at most this many tokens (and no expert map) skip moe_align: one GEMM block per
-    # pair, in pair order (``kernels.align.pair_blocks``). At T = 1 the pairs' experts are
-    # distinct, so sorting them saves no weight read and costs a launch (module docstring);
-    # 0 aligns always.
-    pair_blocks_tokens: int = 1
+    # Calls that skip moe_align (no expert map): one GEMM block per pair, in pair order
+    # (``kernels.align.pair_blocks``). None: ``pair_blocked``'s rule; a number: calls of at most
+    # that many tokens (0 aligns always).
+    pair_blocks_tokens: int | None = None
+
+    @staticmethod
+    def pair_blocked(t: int, k: int, e_l: int, limit: int | None = None) -> bool:
+        """Whether a call of ``t`` tokens over ``e_l`` local experts takes pair blocks: up to
+        ``limit`` tokens, or by default at T = 1 (the token's K experts are distinct, so sorting
+        saves no weight read and costs a launch, module docstring) and at up to
+        ``_PAIR_BLOCK_PAIRS`` pairs that are at most 1/8 of the experts (then ~P / 2E of them
+        share an expert with another: a weight read twice, against ``moe_align``'s launch)."""
+        if limit is not None:
+            return t <= limit
+        return t == 1 or t * k <= min(_PAIR_BLOCK_PAIRS, e_l // _EXPERTS_PER_PAIR)
+
+    def _pair_block_pairs(self, rows: int, e_l: int | None) -> int:
+        """The most pairs a call of at most ``rows`` pairs takes as pair blocks (workspace sizes)."""
+        k, limit = self.config.top_k, self.pair_blocks_tokens
+        if limit is not None:
+            return min(rows, limit * k)
+        most = min(_PAIR_BLOCK_PAIRS, (e_l or self.config.num_experts) // _EXPERTS_PER_PAIR)
+        return min(rows, max(k, most // k * k))
 
     def workspace(self, num_tokens: int, num_local_experts: int) -> Workspace:
         pairs = num_tokens * self.config.top_k
-        ws = self._workspace(pairs)
+        ws = self._workspace(pairs, num_local_experts)
         ws.shapes["y"] = ((pairs, self.config.hidden_size), self.config.dtype)
         return ws
 
@@ -411,7 +436,7 @@ class TritonExperts(_TritonBase):
         dev = a.data.device
         e_l = weights.num_experts
         pairs = t * k
-        by_pair = expert_map is None and t <= self.pair_blocks_tokens
+        by_pair = expert_map is None and self.pair_blocked(t, k, e_l, self.pair_blocks_tokens)
         plan = self._plan(pairs, e_l, weights.w13, weights.w2, by_pair)
         # the kernels read int32 or int64 ids (transformers' routers give int64) without a
         # conversion launch, which would also keep the call from being replayed (``modular.replay``)

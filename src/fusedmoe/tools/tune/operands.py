@@ -101,10 +101,11 @@ class StepOperands:
         return self.ids.numel()
 
     def routing(self, bm: int):
-        """The pairs' blocks as the layer makes them: one block per pair at T = 1
-        (``TritonExperts.pair_blocks_tokens``), else aligned by expert."""
+        """The pairs' blocks as the layer makes them: one block per pair where it does
+        (``TritonExperts.pair_blocked``), else aligned by expert."""
         if bm not in self.routes:
-            if self.ids.shape[0] <= TritonExperts.pair_blocks_tokens:
+            t, k = self.ids.shape
+            if TritonExperts.pair_blocked(t, k, self.e):
                 self.routes[bm] = pair_blocks(self.ids, bm)
             else:  # the reference is bit-identical, and quick on a CPU
                 align = moe_align_ref if self.ref_align or self.ids.device.type == "cpu" else moe_align
