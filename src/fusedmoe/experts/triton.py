@@ -330,42 +330,35 @@ class _TritonBase(Experts):
     def _launch_config(self, rows: int, e_l: int, n: int, k: int, w_quant, a_quant):
         return pick_launch_config(rows, e_l, n, k, scheme_key(w_quant, a_quant), deterministic=self.deterministic)
 
-    def _gemm1_act(self, a, weights, ep: ActEpilogue, rows: int, workspace, gemm, local_pairs=None, **kw) -> QTensor:
-        """a2 [rows, I] from GEMM1 with the activation in its epilogue (``gemm`` is the standard or
-        batched op): quantized there, or, for a per-tensor dynamic a2, by one pass of
-        ``quantize_activations`` after it over the abs-max the epilogue raised (``track_amax``).
-        ``local_pairs`` (with an expert map): the rows that pass needs, the others being another
+    def _gemm1_act(
+        self, a, weights, ep: ActEpilogue, rows: int, workspace, gemm, local_pairs=None, on_load=False, **kw
+    ) -> tuple[QTensor, torch.Tensor | None]:
+        """(a2 [rows, I], its abs-max or None) from GEMM1 with the activation in its epilogue
+        (``gemm`` is the standard or batched op). a2 is quantized there; or, for a per-tensor
+        dynamic a2, by one pass of ``quantize_activations`` after it over the abs-max the
+        epilogue raised (``track_amax``); or, ``on_load``, left as act(h) in the model dtype for
+        a GEMM2 that quantizes it as it loads it (with that abs-max, per tensor).
+        ``local_pairs`` (with an expert map): the rows the pass needs, the others being another
         rank's (up to (EP - 1) / EP of them); rows GEMM1 leaves unwritten are otherwise quantized
         into codes GEMM2 never reads."""
         cfg, sch = self.config, self.scheme
         i, dev = cfg.intermediate_size, a.data.device
-        if ep.track_amax:  # only the rows GEMM1 writes reach the abs-max: no fill, no row mask
+        if ep.track_amax or on_load:  # act(h) in the model dtype; only the rows GEMM1 writes reach its abs-max
             data = take(workspace, "h_act", (rows, i), cfg.dtype, dev)
-            scale = self._amax_buffer(ep, kw.get("routing"), kw["config"], workspace, dev)
+            scale = self._amax_buffer(ep, kw.get("routing"), kw["config"], workspace, dev) if ep.track_amax else None
         else:
             data = take(workspace, "a2", (rows, i), ep.out_dtype(cfg.dtype), dev)
             scale = weights.act_scales("a2", sch.a2).get("scale") if ep.quant is not None else None
         out = data if a.data.dim() == 2 else data.view(*a.data.shape[:2], i)  # batched: [E_l, M, I]
         gemm(Operand(a, sch.a1), Operand(weights.w13, sch.w1), bias=weights.b13, out=out, act=ep, act_scale=scale, **kw)
+        if on_load:
+            return QTensor(data, (rows, i)), scale
         if ep.track_amax:
             a2_out = _a2_out(workspace, sch.a2, rows, i, dev)
             row_mask = None if local_pairs is None else local_pairs()
             a2_scales = weights.act_scales("a2", sch.a2)
-            return quantize_activations(data, sch.a2, out=a2_out, row_mask=row_mask, amax=scale, **a2_scales)
-        return QTensor(data, (rows, i), scale=None if scale is None else scale.reshape(1, 1).float())
-
-    def _gemm1_for_on_load(self, a, weights, plan: _Plan, routing, k: int, workspace) -> tuple:
-        """(act(h) [T*K, I] in the model dtype as a QTensor, its abs-max or None) from GEMM1 for a
-        GEMM2 that quantizes a2 as it loads it: the abs-max (per-tensor a2) in per-program slots
-        (pair blocks) or the zeroed fp32 [1] the epilogue raises."""
-        cfg, sch, ep = self.config, self.scheme, plan.act
-        pairs, i, dev = routing.num_pairs, cfg.intermediate_size, a.data.device
-        data = take(workspace, "h_act", (pairs, i), cfg.dtype, dev)
-        amax = self._amax_buffer(ep, routing, plan.lc1, workspace, dev) if ep.track_amax else None
-        w13 = Operand(weights.w13, sch.w1)
-        grouped_gemm(Operand(a, sch.a1), w13, routing, bias=weights.b13, a_div=k, out=data, config=plan.lc1, act=ep,
-                     act_scale=amax)  # fmt: skip
-        return QTensor(data, (pairs, i)), amax
+            return quantize_activations(data, sch.a2, out=a2_out, row_mask=row_mask, amax=scale, **a2_scales), None
+        return QTensor(data, (rows, i), scale=None if scale is None else scale.reshape(1, 1).float()), None
 
     def _workspace(self, rows: int, e_l: int | None = None) -> Workspace:
         c, ep = self.config, self.act_epilogue()
@@ -445,13 +438,11 @@ class TritonExperts(_TritonBase):
         routing = pair_blocks(ids, plan.lc1.block_m) if by_pair else moe_align(ids, e_l, plan.lc1.block_m, expert_map)
         ep = plan.act
         local_pairs = partial(_local_pairs, ids, e_l, expert_map)
-        a2_amax = None
-        if plan.a2_on_load:  # GEMM1 writes act(h) (and its abs-max); GEMM2 quantizes it as it loads it
-            a2, a2_amax = self._gemm1_for_on_load(a, weights, plan, routing, k, workspace)
-        elif ep is not None:
-            kw = dict(routing=routing, a_div=k, config=plan.lc1)
+        a2_amax = None  # GEMM2 quantizing act(h) as it loads it (``a2_on_load``): its abs-max, per tensor
+        if ep is not None:
+            kw = dict(routing=routing, a_div=k, config=plan.lc1, on_load=plan.a2_on_load)
             mask = None if expert_map is None else local_pairs
-            a2 = self._gemm1_act(a, weights, ep, pairs, workspace, grouped_gemm, mask, **kw)
+            a2, a2_amax = self._gemm1_act(a, weights, ep, pairs, workspace, grouped_gemm, mask, **kw)
         else:
             h = take(workspace, "h", (pairs, cfg.w13_rows), cfg.dtype, dev)
             row_mask = _unwritten_rows(h, sch.a2, local_pairs)
@@ -465,7 +456,8 @@ class TritonExperts(_TritonBase):
             bm = plan.lc2.block_m
             routing = pair_blocks(ids, bm) if by_pair else moe_align(ids, e_l, bm, expert_map)
         y = take(workspace, "y", (pairs, cfg.hidden_size), cfg.dtype, dev)
-        a2, w2 = Operand(a2, sch.a2), Operand(weights.w2, sch.w2)
+        load_q = sch.a2 if plan.a2_on_load else None  # a2 quantized by GEMM2 itself, else as stored
+        a2, w2 = Operand(a2, None if load_q else sch.a2), Operand(weights.w2, sch.w2)
         route_w = None if cfg.apply_router_weight_on_input else topk.weights
         if plan.lc2.split_k > 1:
             # split-K partials [S, T*K, H] (router weight applied): moe_sum adds them up with the top-k sum
@@ -473,12 +465,9 @@ class TritonExperts(_TritonBase):
             call = GemmCall(routing, bias=weights.b2, route_weights=route_w)
             p = w4_gemm_launch(a2, w2, y, fmt, plan.lc2, call, reduce=False)
             y = y if p is None else p
-        elif plan.a2_on_load:
-            a2 = Operand.of(a2.data)
-            grouped_gemm(a2, w2, routing, bias=weights.b2, topk_weights=route_w, out=y, config=plan.lc2,
-                         quantize_a=sch.a2, a_amax=a2_amax)  # fmt: skip
         else:
-            grouped_gemm(a2, w2, routing, bias=weights.b2, topk_weights=route_w, out=y, config=plan.lc2)
+            grouped_gemm(a2, w2, routing, bias=weights.b2, topk_weights=route_w, out=y, config=plan.lc2,
+                         quantize_a=load_q, a_amax=a2_amax)  # fmt: skip
         moe_sum(y.view(*y.shape[:-2], t, k, -1), out, topk_ids=ids, expert_map=expert_map, num_local_experts=e_l)
 
 
@@ -505,7 +494,7 @@ class TritonBatchedExperts(_TritonBase):
         ep = self.act_epilogue()
         if ep is not None:
             kw = dict(counts=counts, config=plan.lc1)
-            a2 = self._gemm1_act(a, weights, ep, rows, workspace, grouped_gemm_batched, **kw)
+            a2, _ = self._gemm1_act(a, weights, ep, rows, workspace, grouped_gemm_batched, **kw)
         else:
             h = take(workspace, "h", (rows, cfg.w13_rows), cfg.dtype, dev).zero_()
             w13 = Operand(weights.w13, sch.w1)
