@@ -234,6 +234,28 @@ def test_w4_launch_config_reads_this_gpus_tuned_table(tmp_path, monkeypatch):
         tuned_configs.clear_cache()
 
 
+@pytest.mark.parametrize(
+    ("scheme", "top_code", "one_mul"),
+    [("mxfp4", 128, True), ("mxfp4", 129, False), ("mxfp4", 254, False), ("nvfp4", 0x40, True), ("nvfp4", 0x41, False)],
+    ids=["mxfp4_scale_2", "mxfp4_scale_4", "mxfp4_scale_2^127", "nvfp4_scale_2", "nvfp4_scale_2.25"],
+)
+def test_e2m1_one_mul_only_where_every_scale_fits(scheme, top_code, one_mul):
+    """The unpack folds 2^126 into the scale (one multiply) only where every scale of the tensor is
+    at most 2, so 2^126 times it is a bf16 value; a scale above makes the whole tensor take two.
+    ``select`` keeps the flag; ``as_w4`` (tensors without the converted object) says False."""
+    from fusedmoe.quant.w4_layout import as_w4
+
+    tq = SCHEMES[scheme].w1
+    q = _quantized(SCHEMES[scheme], 2, 8, 64)
+    codes = q.scale.view(torch.uint8)
+    codes.copy_(torch.where(codes > top_code, torch.full_like(codes, top_code), codes))
+    codes[1, 3, 0] = top_code
+    w4 = to_w4(q, tq)
+    assert w4.e2m1_one_mul is one_mul and w4.select(1).e2m1_one_mul is one_mul
+    assert not to_w4(_quantized(SCHEMES["int4_g128"], 1, 8, 128), SCHEMES["int4_g128"].w1).e2m1_one_mul
+    assert not as_w4(w4, tq, None).e2m1_one_mul
+
+
 def test_fast_unpack_where_exact_and_on_the_gpu(monkeypatch):
     """The PTX unpack runs on a GPU only (the interpreter runs no PTX), on the tensor-core path for
     bf16 (and fp16 with int4), on the FMA path for e2m1 only (exact there), and not at all with
@@ -250,6 +272,8 @@ def test_fast_unpack_where_exact_and_on_the_gpu(monkeypatch):
     assert gw4.fast_unpack(dot, int4, torch.bfloat16) and gw4.fast_unpack(dot, int4, torch.float16)
     assert gw4.fast_unpack(dot, mx, torch.bfloat16) and not gw4.fast_unpack(dot, mx, torch.float16)
     assert gw4.fast_unpack(fma, mx, torch.float16) and not gw4.fast_unpack(fma, int4, torch.bfloat16)
+    fma_rows = LaunchConfig(4, 32, 256, 1, 4, 4, w_major=1)  # "fma" (BM 2-8): the fp32 decode
+    assert not gw4.fast_unpack(fma_rows, mx, torch.bfloat16)
     assert not gw4.fast_unpack(dot, int4, torch.float32)
     monkeypatch.setenv(env.W4_PTX, "0")
     assert not gw4.fast_unpack(dot, int4, torch.bfloat16) and not gw4.fast_unpack(fma, mx, torch.bfloat16)

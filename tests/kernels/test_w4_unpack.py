@@ -69,25 +69,56 @@ def test_int4_unpack_matches_one_rounding(dtype, split):
                 assert np.mean(got == dec(enc(want))) > (0.99 if dtype == "bf16" else 0.97)
 
 
-def test_e2m1_unpack_is_exact():
+def _e2m1_scales(rng: np.random.Generator, shape, two_muls: bool = True):
+    """e8m0 scales over the range weights use and both ends of bf16's, and e4m3 values (NVFP4);
+    at most 2 for the one-multiply form."""
+    pow2 = 2.0 ** rng.integers(-126, 126 if two_muls else 2, size=shape).astype(np.float64)
+    e4m3 = torch.randint(0, 126 if two_muls else 65, shape, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    return [np.where(s == 0, 1.0, s) for s in (pow2, e4m3.double().numpy())]
+
+
+def _assert_e2m1(got: np.ndarray, byte: np.ndarray, high: int, s: np.ndarray):
+    want = E2M1[(byte >> (4 * high)) & 0xF] * s
+    ok = np.abs(want) < 2.0**127  # products past bf16's range are not asked for
+    np.testing.assert_array_equal(got[ok], want[ok])
+    assert np.array_equal(np.signbit(got[ok]), np.signbit(want[ok]))  # -0 stays -0
+
+
+def _operand(s: np.ndarray, two_muls: bool) -> np.ndarray:
+    """The scale the kernel passes: 2^126 folded in for the one-multiply form (which it takes
+    only when every scale is <= 2, ``W4Tensor.e2m1_one_mul``)."""
+    return s if two_muls else s * 2.0**126
+
+
+@pytest.mark.parametrize("two_muls", [True, False], ids=["two_muls", "one_mul"])
+def test_e2m1_unpack_is_exact(two_muls):
+    """The tensor cores' form: two bytes an instance, bf16 pairs out."""
     rng = np.random.default_rng(1)
     n = 4096
     b0, b1 = _pairs(rng, n)
-    # e8m0 scales over the range weights use and both ends of bf16's, e4m3 values (NVFP4)
-    pow2 = 2.0 ** rng.integers(-126, 126, size=(2, 2, n)).astype(np.float64)
-    e4m3 = torch.randint(0, 126, (2, 2, n), dtype=torch.uint8).view(torch.float8_e4m3fn).double().numpy()
-    for s in (pow2, e4m3):
-        s = np.where(s == 0, 1.0, s)
-        ins = [b0 | (b1 << 8)] + [_lanes(_f64_to_bf16, s[h, 0], s[h, 1]) for h in range(2)]
-        lo, hi = run(e2m1_ptx(), ins, 2)
-        lo0, lo1, hi0, hi1 = run(e2m1_ptx("f32"), ins, 4)  # the FMA path's fp32 weights
-        for h, (out, f32) in enumerate(((lo, (lo0, lo1)), (hi, (hi0, hi1)))):
+    for s in _e2m1_scales(rng, (2, 2, n), two_muls):
+        t = _operand(s, two_muls)
+        ins = [b0 | (b1 << 8)] + [_lanes(_f64_to_bf16, t[h, 0], t[h, 1]) for h in range(2)]
+        for h, out in enumerate(run(e2m1_ptx(two_muls=two_muls), ins, 2)):
             for e, byte in enumerate((b0, b1)):
-                want = E2M1[(byte >> (4 * h)) & 0xF] * s[h, e]
-                ok = np.abs(want) < 2.0**127  # products past bf16's range are not asked for
-                for got in (_bf16_to_f64((out >> (16 * e)) & 0xFFFF), f32[e].view(np.float32).astype(np.float64)):
-                    np.testing.assert_array_equal(got[ok], want[ok])
-                    assert np.array_equal(np.signbit(got[ok]), np.signbit(want[ok]))  # -0 stays -0
+                _assert_e2m1(_bf16_to_f64((out >> (16 * e)) & 0xFFFF), byte, h, s[h, e])
+
+
+@pytest.mark.parametrize("two_muls", [True, False], ids=["two_muls", "one_mul"])
+def test_e2m1_unpack_f32_is_exact(two_muls):
+    """The FMA path's form: one word (four bytes of a W row) an instance, eight fp32 values out,
+    one scale per half."""
+    rng = np.random.default_rng(2)
+    n = 4096
+    b0, b1 = _pairs(rng, n)
+    b2, b3 = rng.permutation(b0), rng.permutation(b1)
+    for s in _e2m1_scales(rng, (2, n), two_muls):
+        t = _operand(s, two_muls)
+        ins = [b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)] + [_lanes(_f64_to_bf16, t[h], t[h]) for h in range(2)]
+        outs = run(e2m1_ptx("f32", two_muls), ins, 8)
+        for h in range(2):
+            for e, byte in enumerate((b0, b1, b2, b3)):
+                _assert_e2m1(outs[4 * h + e].view(np.float32).astype(np.float64), byte, h, s[h])
 
 
 def test_model_rejects_what_ptxas_rejects():

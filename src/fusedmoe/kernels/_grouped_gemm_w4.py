@@ -32,8 +32,13 @@ How the two tiles meet (constexpr ``MODE``; H100 numbers from ``scripts/kbench_w
   BM 4 and 8 were 5-10x slower than a BM 16 dot tile: kept for correctness only.
 * "fma1" (BM 1): acc [BN, h] += W * a: fp32 partial sums kept per K position, reduced over K
   once after the loop instead of a cross-thread reduction per K step (Mixtral int4 GEMM2 at
-  T = 1: 102 vs 128 us). The FMA modes step one pack block at a time with that block's loads
-  issued one step ahead (``_w4_fma_loads``): Triton pipelines only loads that feed tl.dot.
+  T = 1: 102 vs 128 us). W comes as int32 words, four bytes of a row, each unpacked to its
+  eight fp32 weights at once (``_w4_word_mac``): loaded as bytes, the loop-carried tiles were
+  a register per byte, re-packed around every PTX instance (the K loop 622 -> 488 SASS
+  instructions a step with the one-multiply e2m1 unpack; MXFP4 T = 1 on an H200: Mixtral
+  167 -> 152 us, gpt-oss 72 -> 62). The FMA modes step one pack block at a time with that
+  block's loads issued one step ahead (``_w4_fma_next``): Triton pipelines only loads that
+  feed tl.dot.
 
 Act-order on the tensor cores: A's columns are permuted per expert into the weights' sorted
 K order first (``_w4_permute_a_kernel``, a row per aligned slot), so the GEMM reads A rows
@@ -53,7 +58,7 @@ import triton.language as tl
 
 from ._common import apply_act, quant_linear
 from ._grouped_gemm import _decode_scale, _fma_rows
-from ._w4_unpack import e2m1_unpack_f32, w4_unpack
+from ._w4_unpack import e2m1_word_f32, w4_unpack
 
 
 @triton.jit
@@ -151,6 +156,12 @@ def _w4_affine(
     raw = value * 2^-14, S = scale * 2^14, B = 0.
     """
     s, z = _w4_group(ws_rows, wz_rows, ok, kh, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, R)
+    return _w4_affine_of(s, z, W_FMT)
+
+
+@triton.jit
+def _w4_affine_of(s, z, W_FMT: tl.constexpr):
+    """(S, B) of ``_w4_affine`` from a scale and zero point."""
     if W_FMT == "int4":
         return s * 16.0, -(16.0 + z) * s
     else:
@@ -165,9 +176,12 @@ def _w4_unpack_args(
 ):  # fmt: skip
     """(m, s_hi, s_lo) in OP of the half block at ``kh`` for ``_w4_unpack.w4_unpack``: m = -(magic
     + zero) (int4; the magic is 128 in bf16, 1024 in fp16), the scale, and under SPLIT the part
-    of the scale that OP does not hold (so s_hi + s_lo carries 16 significant bits)."""
+    of the scale that OP does not hold (so s_hi + s_lo carries 16 significant bits). e2m1: the
+    scale, times 2^126 unless SPLIT (``_e2m1_scale``)."""
     s, z = _w4_group(ws_rows, wz_rows, ok, kh, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, R)
     s_hi = s.to(OP)
+    if W_FMT != "int4":
+        s_hi = _e2m1_scale(s, SPLIT).to(OP)
     s_lo = s_hi
     m = s_hi
     if W_FMT == "int4":
@@ -178,6 +192,18 @@ def _w4_unpack_args(
         if SPLIT:
             s_lo = (s - s_hi.to(tl.float32)).to(OP)
     return m, s_hi, s_lo
+
+
+@triton.jit
+def _e2m1_scale(s, SPLIT: tl.constexpr):
+    """The PTX e2m1 unpack's scale operand: the unpack places a code as its value * 2^-126 (bf16),
+    then multiplies by 2^126 and by the scale; where every scale times 2^126 is a bf16 value
+    (not SPLIT: ``W4Tensor.e2m1_one_mul``) the two make one factor and one multiply (exact
+    either way: powers of two and e4m3 values times e2m1 values)."""
+    if SPLIT:
+        return s
+    else:
+        return s * 85070591730234615865843651857942052864.0  # 2^126
 
 
 @triton.jit
@@ -247,57 +273,162 @@ def _w4_fma_loads(
 
 
 @triton.jit
-def _w4_fma_weights(
-    byte, ws_base, wz_base, cols, ok, kb, stride_wsn, stride_wsk,
-    W_FMT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, HAS_ZERO: tl.constexpr, FAST: tl.constexpr,
-    R: tl.constexpr,
-):  # fmt: skip
-    """The FMA path's fp32 weights (low half, high half) of a byte tile. FAST (e2m1 only: exact
-    in bf16, so in fp32 too) by PTX (``_w4_unpack.e2m1_unpack_f32``); else raw * S + B."""
-    if FAST:
-        ws_rows = ws_base + cols * stride_wsn
-        _, s_lo, _ = _w4_unpack_args(
-            ws_rows, ws_rows, ok, kb, stride_wsk, W_FMT, GROUP, HALF, False, False, R, tl.bfloat16
-        )
-        s_hi = s_lo
-        if 2 * HALF > GROUP:
-            _, s_hi, _ = _w4_unpack_args(
-                ws_rows, ws_rows, ok, kb + HALF, stride_wsk, W_FMT, GROUP, HALF, False, False, R, tl.bfloat16
-            )
-        return e2m1_unpack_f32(byte, s_lo, s_hi)
-    else:
-        v_lo, s_lo, b_lo, v_hi, s_hi, b_hi = _w4_decode(
-            byte, ws_base, wz_base, cols, ok, kb, stride_wsn, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, R
-        )
-        return v_lo * s_lo + b_lo, v_hi * s_hi + b_hi
-
-
-@triton.jit
 def _w4_fma_step(
     acc, acc_u, a_lo, a_hi, byte_g, byte_u, ws_base, wz_base, g_cols, u_cols, ok, kb, stride_wsn, stride_wsk,
     W_FMT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, HAS_ZERO: tl.constexpr, GATED: tl.constexpr,
-    MODE: tl.constexpr, FAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """One pack block on the FMA path: dequantize the gate (and up) byte tiles in fp32 and
-    multiply-accumulate with A's two halves: "fma1" into the [BN, HALF] partial sums,
-    "fma" reduced per A row (``_grouped_gemm._fma_rows``)."""
-    w_lo, w_hi = _w4_fma_weights(
-        byte_g, ws_base, wz_base, g_cols, ok, kb, stride_wsn, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, FAST, BLOCK_N
+    """One pack block of "fma" (BM 2-8, kept for correctness: module docstring): dequantize the
+    gate (and up) byte tiles in fp32 (raw * S + B) and reduce them per A row
+    (``_grouped_gemm._fma_rows``)."""
+    v_lo, s_lo, b_lo, v_hi, s_hi, b_hi = _w4_decode(
+        byte_g, ws_base, wz_base, g_cols, ok, kb, stride_wsn, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, BLOCK_N
     )
+    w_lo, w_hi = v_lo * s_lo + b_lo, v_hi * s_hi + b_hi
     u_lo, u_hi = w_lo, w_hi
     if GATED:
-        u_lo, u_hi = _w4_fma_weights(
-            byte_u, ws_base, wz_base, u_cols, ok, kb, stride_wsn, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, FAST,
-            BLOCK_N,
-        )  # fmt: skip
+        v_lo, s_lo, b_lo, v_hi, s_hi, b_hi = _w4_decode(
+            byte_u, ws_base, wz_base, u_cols, ok, kb, stride_wsn, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, BLOCK_N
+        )
+        u_lo, u_hi = v_lo * s_lo + b_lo, v_hi * s_hi + b_hi
+    acc, acc_u = _fma_rows(acc, acc_u, a_lo, w_lo, u_lo, GATED, BLOCK_M)
+    return _fma_rows(acc, acc_u, a_hi, w_hi, u_hi, GATED, BLOCK_M)
+
+
+@triton.jit
+def _w4_fma_next(
+    a_row_ptr, row_ok, perm_base, w_base, g_cols, u_cols, n_ok, kb, live,
+    KD, KP, stride_ak, stride_pk, stride_wn, stride_wk,
+    ACT_ORDER: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr, HALF: tl.constexpr, MODE: tl.constexpr,
+):  # fmt: skip
+    """The FMA path's loads for the pack block at ``kb``: words for "fma1" (``_w4_word_loads``),
+    byte tiles for "fma" (``_w4_fma_loads``)."""
     if MODE == "fma1":
-        acc += w_lo * a_lo + w_hi * a_hi
-        if GATED:
-            acc_u += u_lo * a_lo + u_hi * a_hi
+        return _w4_word_loads(
+            a_row_ptr, row_ok, perm_base, w_base, g_cols, u_cols, n_ok, kb, live,
+            KD, KP, stride_ak, stride_pk, stride_wn, ACT_ORDER, EVEN_K, GATED, HALF,
+        )  # fmt: skip
     else:
-        acc, acc_u = _fma_rows(acc, acc_u, a_lo, w_lo, u_lo, GATED, BLOCK_M)
-        acc, acc_u = _fma_rows(acc, acc_u, a_hi, w_hi, u_hi, GATED, BLOCK_M)
-    return acc, acc_u
+        return _w4_fma_loads(
+            a_row_ptr, row_ok, perm_base, w_base, g_cols, u_cols, n_ok, kb, live,
+            KD, KP, stride_ak, stride_pk, stride_wn, stride_wk, ACT_ORDER, EVEN_K, GATED, HALF, tl.float32,
+        )  # fmt: skip
+
+
+@triton.jit
+def _w4_fma_block(
+    acc, acc_u, loads, ws_base, wz_base, g_cols, u_cols, ok, kb, stride_wsn, stride_wsk,
+    W_FMT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, HAS_ZERO: tl.constexpr, GATED: tl.constexpr,
+    MODE: tl.constexpr, FAST: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """One pack block on the FMA path from what ``_w4_fma_next`` loaded."""
+    if MODE == "fma1":
+        w_g, w_u, a_lo, a_hi = loads
+        acc = _w4_word_mac(
+            acc, w_g, a_lo, a_hi, ws_base, wz_base, g_cols, ok, kb, stride_wsn, stride_wsk,
+            W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT,
+        )  # fmt: skip
+        if GATED:
+            acc_u = _w4_word_mac(
+                acc_u, w_u, a_lo, a_hi, ws_base, wz_base, u_cols, ok, kb, stride_wsn, stride_wsk,
+                W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT,
+            )  # fmt: skip
+        return acc, acc_u
+    else:
+        byte_g, byte_u, a_lo, a_hi = loads
+        return _w4_fma_step(
+            acc, acc_u, a_lo, a_hi, byte_g, byte_u, ws_base, wz_base, g_cols, u_cols, ok, kb, stride_wsn, stride_wsk,
+            W_FMT, GROUP, HALF, HAS_ZERO, GATED, BLOCK_M, BLOCK_N,
+        )  # fmt: skip
+
+
+@triton.jit
+def _w4_word_loads(
+    a_row_ptr, row_ok, perm_base, w_base, g_cols, u_cols, n_ok, kb, live, KD, KP, stride_ak, stride_pk, stride_wn,
+    ACT_ORDER: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr, HALF: tl.constexpr,
+):  # fmt: skip
+    """The "fma1" loads for the pack block at ``kb`` (nothing when not ``live``): the gate (and up)
+    words [BN, HALF/4] (int32, four bytes of a row: byte j of word q is byte 4q + j of the block)
+    and A's two halves, as ``_w4_fma_loads``."""
+    q = tl.arange(0, HALF // 4)
+    wp = w_base.to(tl.pointer_type(tl.int32))  # bytes are contiguous along K (W4Tensor.bytes_u8)
+    offs = (kb // 8 + q)[None, :]
+    ok = (n_ok & live)[:, None]
+    w_g = tl.load(wp + g_cols[:, None] * (stride_wn // 4) + offs, mask=ok, other=0)
+    w_u = w_g
+    if GATED:
+        w_u = tl.load(wp + u_cols[:, None] * (stride_wn // 4) + offs, mask=ok, other=0)
+    r_ok = row_ok & live
+    a_lo = _a_half(a_row_ptr, r_ok, perm_base, kb, KD, KP, stride_ak, stride_pk, ACT_ORDER, EVEN_K, HALF, tl.float32)
+    a_hi = _a_half(
+        a_row_ptr, r_ok, perm_base, kb + HALF, KD, KP, stride_ak, stride_pk, ACT_ORDER, EVEN_K, HALF, tl.float32
+    )
+    return w_g, w_u, a_lo, a_hi
+
+
+@triton.jit
+def _w4_word_scales(
+    ws_rows, wz_rows, ok, kh, stride_wsk,
+    W_FMT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, HAS_ZERO: tl.constexpr, R: tl.constexpr,
+):  # fmt: skip
+    """(scale, zero) of each word's half at column ``kh``, fp32: [R, 1] when the half lies in one
+    group, else [R, HALF/4] (a word's four columns always share a group: groups are >= 16)."""
+    if HALF <= GROUP:
+        s, z = _w4_group(ws_rows, wz_rows, ok, kh, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, R)
+    else:
+        z = 8.0 if W_FMT == "int4" else 0.0
+        g = ((kh + 4 * tl.arange(0, HALF // 4)) // GROUP)[None, :]
+        s = _decode_scale(tl.load(ws_rows[:, None] + g * stride_wsk, mask=ok[:, None], other=0), W_FMT)
+        if HAS_ZERO:
+            z = tl.load(wz_rows[:, None] + g * stride_wsk, mask=ok[:, None], other=0).to(tl.float32)
+    return s, z
+
+
+@triton.jit
+def _bf16_pair(s):
+    """An fp32 tensor as int32 registers holding its bf16 value twice (a paired PTX operand)."""
+    b = s.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return b | (b << 16)
+
+
+@triton.jit
+def _w4_word_mac(
+    acc, word, a_lo, a_hi, ws_base, wz_base, cols, ok, kb, stride_wsn, stride_wsk,
+    W_FMT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, HAS_ZERO: tl.constexpr, FAST: tl.constexpr,
+    SPLIT: tl.constexpr,
+):  # fmt: skip
+    """acc [R, HALF] + the weights of a word tile times A's halves, two FFMA a weight pair. The
+    eight [R, HALF/4] weight tiles of the words (FAST, e2m1: by PTX, ``_w4_unpack.e2m1_word_f32``;
+    else raw * S + B per nibble, ``_w4_raw``) are joined back into the [R, HALF] halves in
+    registers, so A comes as two contiguous vector loads."""
+    R: tl.constexpr = word.shape[0]
+    ws_rows = ws_base + cols * stride_wsn
+    wz_rows = wz_base + cols * stride_wsn  # zero points share the scale's shape and strides
+    s_lo, z_lo = _w4_word_scales(ws_rows, wz_rows, ok, kb, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, R)
+    s_hi, z_hi = s_lo, z_lo
+    if 2 * HALF > GROUP:  # the halves lie in different groups
+        s_hi, z_hi = _w4_word_scales(ws_rows, wz_rows, ok, kb + HALF, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, R)
+    if FAST:
+        l0, l1, l2, l3, h0, h1, h2, h3 = e2m1_word_f32(
+            word, _bf16_pair(_e2m1_scale(s_lo, SPLIT)), _bf16_pair(_e2m1_scale(s_hi, SPLIT)), SPLIT
+        )
+    else:
+        sc_lo, b_lo = _w4_affine_of(s_lo, z_lo, W_FMT)
+        sc_hi, b_hi = _w4_affine_of(s_hi, z_hi, W_FMT)
+        y0, y1, y2, y3 = word & 0xFF, (word >> 8) & 0xFF, (word >> 16) & 0xFF, (word >> 24) & 0xFF
+        l0, l1 = _w4_raw(y0, False, W_FMT) * sc_lo + b_lo, _w4_raw(y1, False, W_FMT) * sc_lo + b_lo
+        l2, l3 = _w4_raw(y2, False, W_FMT) * sc_lo + b_lo, _w4_raw(y3, False, W_FMT) * sc_lo + b_lo
+        h0, h1 = _w4_raw(y0, True, W_FMT) * sc_hi + b_hi, _w4_raw(y1, True, W_FMT) * sc_hi + b_hi
+        h2, h3 = _w4_raw(y2, True, W_FMT) * sc_hi + b_hi, _w4_raw(y3, True, W_FMT) * sc_hi + b_hi
+    acc = tl.fma(_w4_unword(l0, l1, l2, l3, R, HALF), a_lo, acc)
+    return tl.fma(_w4_unword(h0, h1, h2, h3, R, HALF), a_hi, acc)
+
+
+@triton.jit
+def _w4_unword(v0, v1, v2, v3, R: tl.constexpr, HALF: tl.constexpr):
+    """[R, HALF] from the values of bytes 0..3 of each word ([R, HALF/4] each): column 4q + j is
+    v_j[:, q] (joins add a trailing axis: (q, a, b) holds v_{2a + b})."""
+    return tl.reshape(tl.join(tl.join(v0, v2), tl.join(v1, v3)), [R, HALF])
 
 
 @triton.jit
@@ -307,6 +438,15 @@ def _a_half(
 ):  # fmt: skip
     """A [BM, HALF] at columns kh.. of the (act-order: permuted) K order, as OUT_DTYPE."""
     offs = kh + tl.arange(0, HALF)
+    return _a_cols(a_row_ptr, row_ok, perm_base, offs, KD, KP, stride_ak, stride_pk, ACT_ORDER, EVEN_K, OUT_DTYPE)
+
+
+@triton.jit
+def _a_cols(
+    a_row_ptr, row_ok, perm_base, offs, KD, KP, stride_ak, stride_pk,
+    ACT_ORDER: tl.constexpr, EVEN_K: tl.constexpr, OUT_DTYPE: tl.constexpr,
+):  # fmt: skip
+    """A [BM, len(offs)] at columns ``offs`` of the (act-order: permuted) K order, as OUT_DTYPE."""
     if EVEN_K:
         mask = row_ok[:, None]
     else:
@@ -459,7 +599,9 @@ def _w4_gemm_kernel(
     EXACT_CAST: tl.constexpr,
     MODE: tl.constexpr,  # "dot" | "swap" | "fma" | "fma1" (module docstring)
     FAST: tl.constexpr,  # W unpacked by PTX (``_w4_unpack``): tensor cores bf16/fp16 pairs, FMA e2m1 to fp32
-    SPLIT_SCALE: tl.constexpr,  # FAST int4: the scale is carried as two 16-bit parts
+    # FAST: the scale is two 16-bit factors: int4, s_hi + s_lo (it is not a value of the
+    # activations' type); e2m1, 2^126 x s (not every scale times 2^126 is a bf16 value)
+    SPLIT_SCALE: tl.constexpr,
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # KD == KP and every split is whole BLOCK_K steps: no K masks
     A_SLOT: tl.constexpr,  # A has a row per aligned slot (act-order A permuted beforehand)
@@ -499,45 +641,44 @@ def _w4_gemm_kernel(
     k_lo = pid_k * K_SPLIT
     k_hi = tl.minimum(k_lo + K_SPLIT, KP)
     if FMA:
-        # NB = BLOCK_K / PK pack blocks (1 or 2, ``fit_w4_config``) per K step, their bytes and A
+        # NB = BLOCK_K / PK pack blocks (1 or 2, ``fit_w4_config``) per K step, their W and A
         # loaded one step ahead: these loads do not feed tl.dot, so the compiler does not
         # pipeline them (no async copies in the TTGIR of the first H100 run), and each step
         # waited for its loads before its math. Two blocks a step put twice the bytes in flight
         # per thread (a [32, 32] byte tile is 8 bytes a thread).
         NB: tl.constexpr = BLOCK_K // PK
-        nxt = _w4_fma_loads(
+        nxt = _w4_fma_next(
             a_row_ptr, row_ok, perm_base, w_base, g_cols, u_cols, n_ok, k_lo, k_lo < k_hi,
-            KD, KP, stride_ak, stride_pk, stride_wn, stride_wk, ACT_ORDER, EVEN_K, GATED, HALF, OP,
+            KD, KP, stride_ak, stride_pk, stride_wn, stride_wk, ACT_ORDER, EVEN_K, GATED, HALF, MODE,
         )  # fmt: skip
         nxt2 = nxt
         if NB == 2:
-            nxt2 = _w4_fma_loads(
+            nxt2 = _w4_fma_next(
                 a_row_ptr, row_ok, perm_base, w_base, g_cols, u_cols, n_ok, k_lo + PK, k_lo + PK < k_hi,
-                KD, KP, stride_ak, stride_pk, stride_wn, stride_wk, ACT_ORDER, EVEN_K, GATED, HALF, OP,
+                KD, KP, stride_ak, stride_pk, stride_wn, stride_wk, ACT_ORDER, EVEN_K, GATED, HALF, MODE,
             )  # fmt: skip
         for k0 in range(k_lo, k_hi, BLOCK_K):
-            byte_g, byte_u, a_lo, a_hi = nxt
+            cur = nxt
             cur2 = nxt2
             k1 = k0 + BLOCK_K
-            nxt = _w4_fma_loads(
+            nxt = _w4_fma_next(
                 a_row_ptr, row_ok, perm_base, w_base, g_cols, u_cols, n_ok, k1, k1 < k_hi,
-                KD, KP, stride_ak, stride_pk, stride_wn, stride_wk, ACT_ORDER, EVEN_K, GATED, HALF, OP,
+                KD, KP, stride_ak, stride_pk, stride_wn, stride_wk, ACT_ORDER, EVEN_K, GATED, HALF, MODE,
             )  # fmt: skip
             if NB == 2:
-                nxt2 = _w4_fma_loads(
+                nxt2 = _w4_fma_next(
                     a_row_ptr, row_ok, perm_base, w_base, g_cols, u_cols, n_ok, k1 + PK, k1 + PK < k_hi,
-                    KD, KP, stride_ak, stride_pk, stride_wn, stride_wk, ACT_ORDER, EVEN_K, GATED, HALF, OP,
+                    KD, KP, stride_ak, stride_pk, stride_wn, stride_wk, ACT_ORDER, EVEN_K, GATED, HALF, MODE,
                 )  # fmt: skip
-            acc, acc_u = _w4_fma_step(
-                acc, acc_u, a_lo, a_hi, byte_g, byte_u, ws_base, wz_base, g_cols, u_cols, n_ok, k0,
-                stride_wsn, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, GATED, MODE, FAST, BLOCK_M, BLOCK_N,
+            acc, acc_u = _w4_fma_block(
+                acc, acc_u, cur, ws_base, wz_base, g_cols, u_cols, n_ok, k0, stride_wsn, stride_wsk,
+                W_FMT, GROUP, HALF, HAS_ZERO, GATED, MODE, FAST, SPLIT_SCALE, BLOCK_M, BLOCK_N,
             )  # fmt: skip
             if NB == 2:  # the second block may lie past this program's K: its scales are masked
-                byte_g, byte_u, a_lo, a_hi = cur2
-                acc, acc_u = _w4_fma_step(
-                    acc, acc_u, a_lo, a_hi, byte_g, byte_u, ws_base, wz_base, g_cols, u_cols,
-                    n_ok & (k0 + PK < k_hi), k0 + PK, stride_wsn, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, GATED,
-                    MODE, FAST, BLOCK_M, BLOCK_N,
+                acc, acc_u = _w4_fma_block(
+                    acc, acc_u, cur2, ws_base, wz_base, g_cols, u_cols, n_ok & (k0 + PK < k_hi), k0 + PK,
+                    stride_wsn, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, GATED, MODE, FAST, SPLIT_SCALE,
+                    BLOCK_M, BLOCK_N,
                 )  # fmt: skip
     else:
         # Every program has K to walk (``fit_w4_config`` leaves no split empty). Said to the

@@ -17,10 +17,12 @@ pairs, two 16-bit values per 32-bit register, and every float step is a paired `
   fma(d, s_hi, d * s_lo): one rounding of d * s, as the fp32 path makes, not two;
 * e2m1 (bf16 only): the sign goes to bit 15 and the three magnitude bits to bits 8..6, the
   bf16 value times 2^-126 (exponent 0 being bf16's subnormal 0.5 * 2^-126); one ``fma``
-  multiplies by 2^126, one by the scale. Both products are exact (powers of two; e4m3
-  scales times e2m1 values need 6 of bf16's 8 significant bits), as in the fp32 path.
+  multiplies by 2^126, one by the scale, or one by 2^126 * scale where that is a bf16 value
+  for every scale of the tensor (``W4Tensor.e2m1_one_mul``: MXFP4 scales <= 2, as in the
+  checkpoints seen). The products are exact (powers of two; e4m3 scales times e2m1 values
+  need 6 of bf16's 8 significant bits), as in the fp32 path.
 
-~2 (int4), 2.5 (split scales) and 3 (e2m1) instructions per weight. Each output element
+~2 (int4), 2.5 (split scales) and 2.5-3 (e2m1) instructions per weight. Each output element
 depends only on the byte and scales of the same element, so the lanes Triton packs together
 do not matter. The interpreter cannot run PTX: it takes the portable path, and
 ``tests/kernels/ptx_model.py`` runs these exact instruction strings on the CPU against the
@@ -34,6 +36,7 @@ import triton.language as tl
 
 _SPREAD = "0x4140"  # prmt: byte 0 to bits 0..7, byte 1 to bits 16..23 (one byte per 16-bit lane)
 _SPREAD_HIGH = "0x1404"  # prmt: byte 0 to bits 8..15, byte 1 to bits 24..31
+_SPREAD_HIGH_23 = "0x3424"  # prmt: byte 2 to bits 8..15, byte 3 to bits 24..31
 _LANE_BITS = {  # (fma suffix, 1.0 x2, magic x2 whose last place is 1)
     "bf16": ("bf16x2", "0x3F803F80", "0x43004300"),  # 128.0
     "f16": ("f16x2", "0x3C003C00", "0x64006400"),  # 1024.0
@@ -69,28 +72,51 @@ def int4_ptx(dtype: str, split: bool) -> str:
     return "\n".join(lines)
 
 
-def e2m1_ptx(out: str = "bf16") -> str:
-    """PTX for ``w4_unpack``'s e2m1 branch, two bytes per instance. ``out`` "bf16": $0 low
-    nibbles, $1 high nibbles (bf16 pairs), $2 the bytes, the scales lo/hi as bf16 pairs ($3, $4).
-    "f32" (the FMA path): $0, $1 low nibbles and $2, $3 high ones as fp32 (exact: a bf16 value
-    is the top half of its fp32), $4 the bytes, scales $5, $6."""
-    i = 2 if out == "bf16" else 4  # the first input operand
-    lines = [
-        "{",
-        ".reg .b32 t, a, b, r<2>, o<2>, two, nz;",
-        f"mov.b32 two, 0x7E807E80; mov.b32 nz, {_NEG_ZERO};",  # 2^126 x2
-        f"prmt.b32 t, ${i}, 0, {_SPREAD_HIGH};",
+def _e2m1_place(t: str, lo: str, hi: str) -> list[str]:
+    """Bit placement of the two bytes in the high bytes of ``t``'s 16-bit lanes (bits 8..15 and
+    24..31; the other bits are masked out, so they may hold anything): ``lo`` gets the low
+    nibbles and ``hi`` the high ones as bf16 pairs of value * 2^-126."""
+    return [
         # low nibble at lane bits 8..11: sign 11 -> 15, magnitude 8..10 -> 6..8
-        "shl.b32 b, t, 4; shr.u32 a, t, 2; and.b32 a, a, 0x01C001C0; lop3.b32 r0, b, 0x80008000, a, 0xEA;",
+        f"shl.b32 b, {t}, 4; shr.u32 a, {t}, 2; and.b32 a, a, 0x01C001C0; lop3.b32 {lo}, b, 0x80008000, a, 0xEA;",
         # high nibble at lane bits 12..15: the sign is in place, magnitude 12..14 -> 6..8
-        "shr.u32 a, t, 6; and.b32 a, a, 0x01C001C0; lop3.b32 r1, t, 0x80008000, a, 0xEA;",
+        f"shr.u32 a, {t}, 6; and.b32 a, a, 0x01C001C0; lop3.b32 {hi}, {t}, 0x80008000, a, 0xEA;",
     ]
-    for h in range(2):  # times 2^126, then the scale
-        lines.append(f"fma.rn.bf16x2 r{h}, r{h}, two, nz; fma.rn.bf16x2 o{h}, r{h}, ${i + 1 + h}, nz;")
+
+
+def _e2m1_scale_ptx(r: str, s: str, two_muls: bool) -> str:
+    """``r`` (bf16 pairs of value * 2^-126) times 2^126 and the scale ``s``, or times ``s`` alone
+    where the caller folded 2^126 into it."""
+    mul = f"fma.rn.bf16x2 {r}, {r}, {s}, nz;"
+    return f"fma.rn.bf16x2 {r}, {r}, two, nz; {mul}" if two_muls else mul
+
+
+def e2m1_ptx(out: str = "bf16", two_muls: bool = True) -> str:
+    """PTX for the e2m1 unpack. ``out`` "bf16" (``w4_unpack``, the tensor cores), two bytes per
+    instance: $0 low nibbles, $1 high nibbles (bf16 pairs), $2 the bytes, the scales lo/hi as
+    bf16 pairs ($3, $4). "f32" (``e2m1_word_f32``, the FMA path), one 32-bit word (four bytes
+    of one W row, eight weights) per instance: $0..$3 the low nibbles of bytes 0..3 and $4..$7
+    the high ones as fp32 (exact: a bf16 value is the top half of its fp32), $8 the word, $9
+    and $10 the low and high halves' scale as a bf16 pair (s, s). ``two_muls``: the value * 2^-126
+    times 2^126, then times the scale; else times the one factor 2^126 * scale the caller
+    passes (``_grouped_gemm_w4._e2m1_scale``)."""
+    head = [
+        "{",
+        ".reg .b32 t<2>, a, b, r<4>, two, nz;",
+        f"mov.b32 two, 0x7E807E80; mov.b32 nz, {_NEG_ZERO};",  # 2^126 x2
+    ]
     if out == "bf16":
-        lines.append("mov.b32 $0, o0; mov.b32 $1, o1;")
+        lines = head + [f"prmt.b32 t0, $2, 0, {_SPREAD_HIGH};", *_e2m1_place("t0", "r0", "r1")]
+        lines += [_e2m1_scale_ptx(f"r{h}", f"${3 + h}", two_muls) for h in range(2)]
+        lines.append("mov.b32 $0, r0; mov.b32 $1, r1;")
     else:
-        lines.append("shl.b32 $0, o0, 16; and.b32 $1, o0, 0xFFFF0000; shl.b32 $2, o1, 16; and.b32 $3, o1, 0xFFFF0000;")
+        lines = head + [f"prmt.b32 t0, $8, 0, {_SPREAD_HIGH};", f"prmt.b32 t1, $8, 0, {_SPREAD_HIGH_23};"]
+        lines += _e2m1_place("t0", "r0", "r1") + _e2m1_place("t1", "r2", "r3")
+        # r0: low nibbles of bytes 0, 1; r1: their high nibbles; r2, r3: bytes 2, 3
+        lines += [_e2m1_scale_ptx(f"r{r}", f"${s}", two_muls) for r, s in ((0, 9), (1, 10), (2, 9), (3, 10))]
+        # outputs last: an output may share a register with an input read above
+        for o, r in ((0, 0), (2, 2), (4, 1), (6, 3)):
+            lines.append(f"shl.b32 ${o}, r{r}, 16; and.b32 ${o + 1}, r{r}, 0xFFFF0000;")
     lines.append("}")
     return "\n".join(lines)
 
@@ -100,21 +126,29 @@ _INT4_BF16_SPLIT: tl.constexpr = tl.constexpr(int4_ptx("bf16", True))
 _INT4_F16: tl.constexpr = tl.constexpr(int4_ptx("f16", False))
 _INT4_F16_SPLIT: tl.constexpr = tl.constexpr(int4_ptx("f16", True))
 _E2M1_BF16: tl.constexpr = tl.constexpr(e2m1_ptx())
+_E2M1_BF16_ONE: tl.constexpr = tl.constexpr(e2m1_ptx(two_muls=False))
 _E2M1_F32: tl.constexpr = tl.constexpr(e2m1_ptx("f32"))
+_E2M1_F32_ONE: tl.constexpr = tl.constexpr(e2m1_ptx("f32", two_muls=False))
 # two outputs (four 16-bit values), the bytes, then one register per 16-bit input
 _C_SPLIT: tl.constexpr = tl.constexpr("=r,=r,r" + ",r" * 6)
 _C_PLAIN: tl.constexpr = tl.constexpr("=r,=r,r" + ",r" * 4)
 _C_E2M1: tl.constexpr = tl.constexpr("=r,=r,r" + ",r" * 2)
-_C_E2M1_F32: tl.constexpr = tl.constexpr("=r,=r,=r,=r,r,r,r")  # fp32 outputs: a register per value
+# eight fp32 outputs, the word, the two scale pairs
+_C_E2M1_F32: tl.constexpr = tl.constexpr("=r," * 8 + "r,r,r")
 
 
 @triton.jit
 def w4_unpack(byte, m_lo, m_hi, s_lo, s_hi, t_lo, t_hi, W_FMT: tl.constexpr, OP: tl.constexpr, SPLIT: tl.constexpr):
     """(W_lo, W_hi) in OP from a uint8 byte tile: low and high nibbles, dequantized. int4:
     (c - zero) * s with m = -(magic + zero) and s = s_hi (+ t = s_lo under SPLIT); e2m1:
-    value * s (m and t unused). Per-half arguments broadcast against ``byte``."""
-    if W_FMT != "int4":
+    value * s, s = the scale (SPLIT) or 2^126 times it (m and t unused). Per-half arguments
+    broadcast against ``byte``."""
+    if W_FMT != "int4" and SPLIT:
         lo, hi = tl.inline_asm_elementwise(_E2M1_BF16, _C_E2M1, [byte, s_lo, s_hi], (tl.bfloat16, tl.bfloat16), True, 2)
+    elif W_FMT != "int4":
+        lo, hi = tl.inline_asm_elementwise(
+            _E2M1_BF16_ONE, _C_E2M1, [byte, s_lo, s_hi], (tl.bfloat16, tl.bfloat16), True, 2
+        )
     elif OP == tl.bfloat16 and SPLIT:
         lo, hi = tl.inline_asm_elementwise(
             _INT4_BF16_SPLIT, _C_SPLIT, [byte, m_lo, m_hi, s_lo, s_hi, t_lo, t_hi], (tl.bfloat16, tl.bfloat16), True, 2
@@ -135,7 +169,16 @@ def w4_unpack(byte, m_lo, m_hi, s_lo, s_hi, t_lo, t_hi, W_FMT: tl.constexpr, OP:
 
 
 @triton.jit
-def e2m1_unpack_f32(byte, s_lo, s_hi):
-    """(W_lo, W_hi) in fp32 from a uint8 tile of e2m1 pairs, times the bf16 scales (exact): the
-    FMA path's weights, three instructions per weight fewer than the fp32 decode."""
-    return tl.inline_asm_elementwise(_E2M1_F32, _C_E2M1_F32, [byte, s_lo, s_hi], (tl.float32, tl.float32), True, 2)
+def e2m1_word_f32(word, s_lo, s_hi, SPLIT: tl.constexpr):
+    """The eight fp32 weights of an int32 tile of e2m1 words (four bytes of one W row each):
+    (low nibbles of bytes 0..3, high nibbles of bytes 0..3), times the scales (exact). s_lo,
+    s_hi: the bf16 scale of each word's low and high half as an int32 pair (s, s), times 2^126
+    unless SPLIT (as ``w4_unpack``). The FMA
+    path's weights: whole words arrive as the registers they were loaded in. With bytes (two
+    an instance), the loop-carried byte tiles were split into a register per byte and
+    re-packed around every instance, ~5 of the ~9.7 SASS instructions per weight of the
+    Mixtral-sized K loop (sm_90 build)."""
+    if SPLIT:
+        return tl.inline_asm_elementwise(_E2M1_F32, _C_E2M1_F32, [word, s_lo, s_hi], (tl.float32,) * 8, True, 1)
+    else:
+        return tl.inline_asm_elementwise(_E2M1_F32_ONE, _C_E2M1_F32, [word, s_lo, s_hi], (tl.float32,) * 8, True, 1)

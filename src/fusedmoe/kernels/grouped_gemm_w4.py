@@ -241,7 +241,8 @@ def w4_gemm_launch(
         GATED=act is not None and p is None and act.activation.is_gated,
         INTERLEAVED=act is not None and act.gate_up_interleaved,
         OUT_QUANT="none" if p is not None else oq, EXACT_CAST=interpreting(),
-        MODE=_mode(cfg), FAST=fast_unpack(cfg, w, a.dtype), SPLIT_SCALE=w.scale.dtype != a.dtype,
+        MODE=_mode(cfg), FAST=fast_unpack(cfg, w, a.dtype),
+        SPLIT_SCALE=w.scale.dtype != a.dtype if w.w_fmt == "int4" else not w.e2m1_one_mul,
         SPLIT_K=cfg.split_k, EVEN_K=kd == w.k_padded and w.k_padded % cfg.block_k == 0,
         A_SLOT=permuted and not rows.batched, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m,
@@ -260,8 +261,8 @@ def fast_unpack(cfg: LaunchConfig, w: W4Tensor, dtype: torch.dtype) -> bool:
     fp32 decode for int4 (a bf16 weight would add a rounding the fp32 path does not make)."""
     if interpreting() or not env.w4_ptx():
         return False
-    if cfg.block_m < 16:  # the FMA path: fp32 weights, by PTX where they are exact in bf16
-        return w.w_fmt != "int4"
+    if cfg.block_m < 16:  # "fma1": fp32 weights by PTX where they are exact in bf16; "fma": fp32 decode
+        return w.w_fmt != "int4" and _mode(cfg) == "fma1"
     return dtype == torch.bfloat16 or (dtype == torch.float16 and w.w_fmt == "int4")
 
 

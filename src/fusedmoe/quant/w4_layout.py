@@ -60,6 +60,10 @@ class W4Tensor(QTensor):
     perm: torch.Tensor | None = None
     group_size: int = 0
     w_fmt: str = "int4"  # "int4" | "mxfp4" | "nvfp4" (the kernel's name of the 4-bit format)
+    # e2m1 formats: every scale times 2^126 is a bf16 value (scales <= 2; ``e2m1_one_mul``), so
+    # the kernel's unpack multiplies once instead of twice. Set by ``to_w4`` when the weights are
+    # converted; False (two multiplies, right for any scale) where nobody looked.
+    e2m1_one_mul: bool = False
     layout: str = LAYOUT
 
     @property
@@ -87,7 +91,8 @@ class W4Tensor(QTensor):
     def select(self, e: int) -> W4Tensor:
         one = super().select(e)
         perm = None if self.perm is None else self.perm[e : e + 1]
-        extra = {"pack_block": self.pack_block, "perm": perm, "group_size": self.group_size, "w_fmt": self.w_fmt}
+        extra = {"pack_block": self.pack_block, "perm": perm, "group_size": self.group_size, "w_fmt": self.w_fmt,
+                 "e2m1_one_mul": self.e2m1_one_mul}  # fmt: skip
         return W4Tensor(**one.__dict__, **extra)
 
 
@@ -172,6 +177,7 @@ def to_w4(q: QTensor, tq: TensorQuant, pack_block: int | None = None) -> W4Tenso
     data = pack_nibbles(codes).view(torch.int32)
     scale = _pad_last(q.scale, kp // g)
     zero = None if q.zero is None else _pad_last(q.zero, kp // g, fill=8)
+    w_fmt = {QDtype.INT4: "int4", QDtype.MXFP4: "mxfp4", QDtype.NVFP4: "nvfp4"}[tq.dtype]
     return W4Tensor(
         data=data,
         shape=tuple(q.shape),
@@ -182,8 +188,19 @@ def to_w4(q: QTensor, tq: TensorQuant, pack_block: int | None = None) -> W4Tenso
         pack_block=pk,
         perm=perm,
         group_size=g,
-        w_fmt={QDtype.INT4: "int4", QDtype.MXFP4: "mxfp4", QDtype.NVFP4: "nvfp4"}[tq.dtype],
+        w_fmt=w_fmt,
+        e2m1_one_mul=w_fmt != "int4" and e2m1_one_mul(scale, w_fmt),
     )
+
+
+def e2m1_one_mul(scale: torch.Tensor, w_fmt: str) -> bool:
+    """Whether every e2m1 scale times 2^126 is a bf16 value, i.e. the scale is at most 2 (e8m0
+    codes <= 128; e4m3 values <= 2): one host sync, once, when the weights are converted."""
+    if scale.numel() == 0:
+        return True
+    if w_fmt == "mxfp4":
+        return int(scale.view(torch.uint8).max()) <= 128
+    return float(scale.view(torch.float8_e4m3fn).float().abs().max()) <= 2.0
 
 
 def from_w4(w: W4Tensor) -> QTensor:
@@ -216,7 +233,8 @@ def from_w4(w: W4Tensor) -> QTensor:
 def as_w4(q: QTensor, tq: TensorQuant, perm: torch.Tensor | None) -> W4Tensor:
     """A ``W4Tensor`` over tensors already in the w4 layout that arrive as a plain ``QTensor`` (the
     ``fusedmoe::moe_forward`` op passes tensors, not Python objects): the metadata ``to_w4`` sets
-    from the scheme (its default pack block: the only one ``prepare_weights`` uses) and ``perm``."""
+    from the scheme (its default pack block: the only one ``prepare_weights`` uses) and ``perm``;
+    ``e2m1_one_mul`` stays False (finding it needs a host sync, which a call must not make)."""
     w_fmt = {QDtype.INT4: "int4", QDtype.MXFP4: "mxfp4", QDtype.NVFP4: "nvfp4"}[tq.dtype]
     extra = dict(pack_block=default_pack_block(tq), perm=perm, group_size=tq.granularity.group_size, w_fmt=w_fmt)
     return W4Tensor(**{k: getattr(q, k) for k in ("data", "shape", "scale", "zero", "global_scale", "g_idx")}, **extra)

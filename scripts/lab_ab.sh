@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One device call for a kernel change: the GPU tests named in TESTS, then the layer bench at
+# TOKENS for PRESETS x SCHEMES once per variant in VARIANTS ("name:ENV=value ...", space
+# separated; "new" alone by default; the first run also records the per-kernel parts), and on
+# the tree in .out/old/src if it is there (A/B against the last commit:
+# `git archive HEAD src | tar -x -C .out/old`, carried). Results under $OUT.
+set -uo pipefail
+OUT=${OUT:-./.out}
+mkdir -p "$OUT"
+export PYTHONPATH=src PYTHONUNBUFFERED=1
+PRESETS=${PRESETS:-qwen3-30b-a3b,deepseek-v3,mixtral-8x7b,gpt-oss-20b}
+TOKENS=${TOKENS:-1,2,8}
+SCHEMES=${SCHEMES:-fp8_tensor,fp8_block}
+VARIANTS=${VARIANTS:-new:}
+if [ -n "${TESTS:-}" ]; then
+  timeout -s INT -k 20 "${TEST_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider -o addopts="" $TESTS \
+    -n "${GPU_WORKERS:-8}" --dist loadfile -rfE 2>&1 | tail -40 > "$OUT/tests.log"
+  tail -15 "$OUT/tests.log"
+fi
+bench() {  # name, env assignments (comma separated), extra args
+  env ${2//,/ } timeout "${BENCH_TIMEOUT:-200}" python3 -m fusedmoe.cli bench --providers fusedmoe \
+    --preset "$PRESETS" --scheme "$SCHEMES" --tokens "$TOKENS" $3 --out "$OUT/$1" 2>&1 | tail -3
+}
+RUNS="" PARTS=""
+for v in $VARIANTS; do
+  bench "${v%%:*}" "${v#*:}" "$PARTS"
+  RUNS="$RUNS ${v%%:*}" PARTS=--no-parts
+done
+if [ -d .out/old/src ]; then bench old PYTHONPATH=.out/old/src --no-parts; RUNS="$RUNS old"; fi
+for r in $RUNS; do
+  grep -E "\| graph \|" "$OUT/$r/bench.md" | awk -F'|' -v r=$r '{printf "%s %s %s T=%s %s\n", r, $2, $3, $4, $7}'
+done
+first=${VARIANTS%% *}
+grep "launches" "$OUT/${first%%:*}/bench.md" | grep -E "T=1:" | cut -c1-200
+rm -f "$OUT"/*/bench.png  # the device returns 8 files at most: the tables, not the plots
