@@ -245,6 +245,7 @@ W4_CASES = [
     W4Case("nvfp4 swap gemm2", "nvfp4", "gemm2", (128, 128, 128, 8, 8, 3, 1, 1)),
     W4Case("mxfp4 fma1 gemm2 split 2", "mxfp4", "gemm2", (1, 32, 64, 1, 4, 4, 2, 1), fma=True),
     W4Case("mxfp4 fma1 gemm1 silu, two blocks a step", "mxfp4", "gemm1", (1, 32, 128, 1, 4, 4, 1, 1), fma=True),
+    W4Case("nvfp4 fma1 gemm2, halves of two groups", "nvfp4", "gemm2", (1, 64, 128, 1, 4, 4, 1, 1), fma=True),
 ]
 
 

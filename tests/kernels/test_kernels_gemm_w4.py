@@ -59,6 +59,7 @@ SCHEMES = {
     "int4_g64": QuantScheme.int4_w4a16(64),
     "int4_g128": QuantScheme.int4_w4a16(128),
     "int4_g64_zp": QuantScheme.int4_w4a16(64, zero_points=True),
+    "int4_g16_zp": QuantScheme.int4_w4a16(16, zero_points=True),  # halves of two groups (PK 64)
     "int4_g32_actorder": QuantScheme.int4_w4a16(32, act_order=True),
     "mxfp4": QuantScheme.mxfp4_w4a16(),
     "nvfp4": QuantScheme.nvfp4_w4a16(),

@@ -372,15 +372,20 @@ def _w4_word_scales(
     W_FMT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, HAS_ZERO: tl.constexpr, R: tl.constexpr,
 ):  # fmt: skip
     """(scale, zero) of each word's half at column ``kh``, fp32: [R, 1] when the half lies in one
-    group, else [R, HALF/4] (a word's four columns always share a group: groups are >= 16)."""
+    group, else [R, HALF/4], the half's HALF / GROUP groups loaded once a row and broadcast over
+    their words (a word's four columns always share a group: groups are >= 16)."""
     if HALF <= GROUP:
         s, z = _w4_group(ws_rows, wz_rows, ok, kh, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, R)
     else:
+        NG: tl.constexpr = HALF // GROUP
+        WG: tl.constexpr = GROUP // 4  # words per group
+        g = kh // GROUP + tl.arange(0, NG)
+        s = _decode_scale(tl.load(ws_rows[:, None] + g[None, :] * stride_wsk, mask=ok[:, None], other=0), W_FMT)
+        s = tl.reshape(tl.broadcast_to(s[:, :, None], [R, NG, WG]), [R, NG * WG])
         z = 8.0 if W_FMT == "int4" else 0.0
-        g = ((kh + 4 * tl.arange(0, HALF // 4)) // GROUP)[None, :]
-        s = _decode_scale(tl.load(ws_rows[:, None] + g * stride_wsk, mask=ok[:, None], other=0), W_FMT)
         if HAS_ZERO:
-            z = tl.load(wz_rows[:, None] + g * stride_wsk, mask=ok[:, None], other=0).to(tl.float32)
+            z = tl.load(wz_rows[:, None] + g[None, :] * stride_wsk, mask=ok[:, None], other=0).to(tl.float32)
+            z = tl.reshape(tl.broadcast_to(z[:, :, None], [R, NG, WG]), [R, NG * WG])
     return s, z
 
 
