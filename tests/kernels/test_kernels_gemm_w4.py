@@ -235,6 +235,23 @@ def test_w4_launch_config_reads_this_gpus_tuned_table(tmp_path, monkeypatch):
         tuned_configs.clear_cache()
 
 
+def test_dot_runs_pairs_64_column_blocks_on_the_tensor_cores():
+    """Two pack blocks per dot in BM 16 tiles where a block is 64 columns (halves of 32 or of two
+    16-groups) and the K step holds two; one elsewhere (128-column blocks, larger tiles, the FMA
+    path, a 64-column K step)."""
+    from fusedmoe.kernels.grouped_gemm_w4 import dot_runs
+
+    def w4(name):
+        return to_w4(_quantized(SCHEMES[name], 1, 16, 256), SCHEMES[name].w1)
+
+    mx, nv, g16, g128 = w4("mxfp4"), w4("nvfp4"), w4("int4_g16_zp"), w4("int4_g128")
+    dot, swap = LaunchConfig(16, 64, 128, 1, 4, 3), LaunchConfig(16, 128, 128, 1, 4, 3, w_major=1)
+    assert [dot_runs(c, w) for c in (dot, swap) for w in (mx, nv, g16)] == [2] * 6
+    assert dot_runs(swap, g128) == 1 and dot_runs(LaunchConfig(16, 64, 64, 1, 4, 3), mx) == 1
+    assert dot_runs(LaunchConfig(64, 128, 128, 1, 4, 3, w_major=1), mx) == 1
+    assert dot_runs(LaunchConfig(1, 64, 128, 1, 4, 4, w_major=1), mx) == 1
+
+
 @pytest.mark.parametrize(
     ("scheme", "top_code", "one_mul"),
     [("mxfp4", 128, True), ("mxfp4", 129, False), ("mxfp4", 254, False), ("nvfp4", 0x40, True), ("nvfp4", 0x41, False)],
@@ -353,6 +370,10 @@ def _cases() -> list[Case]:
             )
     for k, edge in enumerate(EDGES):
         out.append(Case(("int4_g64_zp", "nvfp4", "mxfp4")[k % 3], ("fma1", "swap")[k % 2], edge=edge, split=1 + k % 2))
+    # two pack blocks per dot where K ends inside the second (K 192, BK 128: its bytes, scales
+    # and A columns masked), halves of one and of two groups
+    for i, scheme in enumerate(("mxfp4", "nvfp4", "int4_g16_zp", "int4_g32_actorder")):
+        out.append(Case(scheme, ("dot", "swap")[i % 2], act=ACTS[i % 3], edge=EDGES[4], split=1))
     return out
 
 
@@ -378,8 +399,9 @@ def run_case(c: Case, out_dtype=torch.float32, device: str = DEVICE, config: Lau
     bm, w_major = MODES[c.mode]
     if config is None:
         # BN 64 (a gated activation's 32 output columns read 64 W rows): one or two column tiles
-        # the FMA path steps one pack block (BK 64) or two (BK 256, odd splits)
-        bk = 256 if bm < 16 and c.split % 2 else 64
+        # the FMA path steps one pack block (BK 64) or two (BK 256, odd splits); the tensor
+        # cores BK 64 or, odd splits, 128: two 64-column blocks per dot (``dot_runs``)
+        bk = (256 if bm < 16 else 128) if c.split % 2 else 64
         config = LaunchConfig(bm, 32 if n_w > n else 64, bk, 2, 4, 2, c.split, w_major)
     counts = torch.tensor([(t * k) % 7, 0, 5, 1, 9][: max(2, min(e, 5))], dtype=torch.int32)
     if c.layout == "batched":  # experts of a partial block, none, a few, one, two blocks

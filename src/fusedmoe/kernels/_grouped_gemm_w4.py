@@ -123,12 +123,26 @@ def _w4_cols(pid_n, N, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_N: 
 def _w4_group(
     ws_rows, wz_rows, ok, kh, stride_wsk,
     W_FMT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, HAS_ZERO: tl.constexpr, R: tl.constexpr,
+    RUNS: tl.constexpr = 1, PK: tl.constexpr = 0, KP=0,
 ):  # fmt: skip
     """(scale, zero) of the half block at column ``kh``, fp32: [R, 1] when the half lies in one
     group, else [R, HALF] (whole groups, broadcast). zero: the stored zero point, 8 for
-    symmetric int4 (codes are c - 8), 0 for e2m1 (unused)."""
+    symmetric int4 (codes are c - 8), 0 for e2m1 (unused). RUNS > 1 (``_w4_dot_step``): the
+    half of RUNS consecutive pack blocks, [R, RUNS * HALF] (columns kh + r * PK + c, c < HALF),
+    runs at or past KP masked."""
     z = 8.0 if W_FMT == "int4" else 0.0
-    if HALF <= GROUP:
+    if RUNS > 1:
+        NR: tl.constexpr = RUNS * (HALF // GROUP)  # groups of the runs' halves
+        idx = tl.arange(0, NR)
+        run = idx // (HALF // GROUP)
+        g = kh // GROUP + run * (PK // GROUP) + idx % (HALF // GROUP)
+        m = ok[:, None] & (kh + run * PK < KP)[None, :]
+        s = _decode_scale(tl.load(ws_rows[:, None] + g[None, :] * stride_wsk, mask=m, other=0), W_FMT)
+        s = tl.reshape(tl.broadcast_to(s[:, :, None], [R, NR, GROUP]), [R, RUNS * HALF])
+        if HAS_ZERO:
+            z = tl.load(wz_rows[:, None] + g[None, :] * stride_wsk, mask=m, other=0).to(tl.float32)
+            z = tl.reshape(tl.broadcast_to(z[:, :, None], [R, NR, GROUP]), [R, RUNS * HALF])
+    elif HALF <= GROUP:
         g = kh // GROUP
         s = _decode_scale(tl.load(ws_rows + g * stride_wsk, mask=ok, other=0), W_FMT)[:, None]
         if HAS_ZERO:
@@ -148,6 +162,7 @@ def _w4_group(
 def _w4_affine(
     ws_rows, wz_rows, ok, kh, stride_wsk,
     W_FMT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, HAS_ZERO: tl.constexpr, R: tl.constexpr,
+    RUNS: tl.constexpr = 1, PK: tl.constexpr = 0, KP=0,
 ):  # fmt: skip
     """(S, B) of the half block at column ``kh``: its weights are raw * S + B (``_w4_raw``), fp32,
     shaped as ``_w4_group``'s.
@@ -155,7 +170,7 @@ def _w4_affine(
     int4: raw = 1 + c/16, so (c - zero) * scale = raw * 16 scale - (16 + zero) * scale. e2m1:
     raw = value * 2^-14, S = scale * 2^14, B = 0.
     """
-    s, z = _w4_group(ws_rows, wz_rows, ok, kh, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, R)
+    s, z = _w4_group(ws_rows, wz_rows, ok, kh, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, R, RUNS, PK, KP)
     return _w4_affine_of(s, z, W_FMT)
 
 
@@ -172,13 +187,13 @@ def _w4_affine_of(s, z, W_FMT: tl.constexpr):
 def _w4_unpack_args(
     ws_rows, wz_rows, ok, kh, stride_wsk,
     W_FMT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, HAS_ZERO: tl.constexpr, SPLIT: tl.constexpr,
-    R: tl.constexpr, OP: tl.constexpr,
+    R: tl.constexpr, OP: tl.constexpr, RUNS: tl.constexpr = 1, PK: tl.constexpr = 0, KP=0,
 ):  # fmt: skip
     """(m, s_hi, s_lo) in OP of the half block at ``kh`` for ``_w4_unpack.w4_unpack``: m = -(magic
     + zero) (int4; the magic is 128 in bf16, 1024 in fp16), the scale, and under SPLIT the part
     of the scale that OP does not hold (so s_hi + s_lo carries 16 significant bits). e2m1: the
-    scale, times 2^126 unless SPLIT (``_e2m1_scale``)."""
-    s, z = _w4_group(ws_rows, wz_rows, ok, kh, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, R)
+    scale, times 2^126 unless SPLIT (``_e2m1_scale``). RUNS, PK, KP: as ``_w4_group``."""
+    s, z = _w4_group(ws_rows, wz_rows, ok, kh, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, R, RUNS, PK, KP)
     s_hi = s.to(OP)
     if W_FMT != "int4":
         s_hi = _e2m1_scale(s, SPLIT).to(OP)
@@ -230,27 +245,36 @@ def _w4_raw(byte, HIGH: tl.constexpr, W_FMT: tl.constexpr):
 
 
 @triton.jit
-def _w4_bytes(w_base, cols, ok, kb, stride_wn, stride_wk, HALF: tl.constexpr):
-    """The [R, HALF] byte tile (uint8) of W rows ``cols`` for the pack block at column ``kb``."""
-    kbyte = kb // 2 + tl.arange(0, HALF)
-    return tl.load(w_base + cols[:, None] * stride_wn + kbyte[None, :] * stride_wk, mask=ok[:, None], other=0)
+def _w4_bytes(
+    w_base, cols, ok, kb, stride_wn, stride_wk, HALF: tl.constexpr, RUNS: tl.constexpr = 1, PK: tl.constexpr = 0, KP=0
+):  # fmt: skip
+    """The [R, RUNS * HALF] byte tile (uint8) of W rows ``cols`` for the RUNS pack blocks from
+    column ``kb`` (contiguous bytes; runs at or past KP masked)."""
+    c = tl.arange(0, RUNS * HALF)
+    m = ok[:, None]
+    if RUNS > 1:
+        m = m & (kb + (c // HALF) * PK < KP)[None, :]
+    return tl.load(w_base + cols[:, None] * stride_wn + (kb // 2 + c)[None, :] * stride_wk, mask=m, other=0)
 
 
 @triton.jit
 def _w4_decode(
     byte, ws_base, wz_base, cols, ok, kb, stride_wsn, stride_wsk,
     W_FMT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, HAS_ZERO: tl.constexpr, R: tl.constexpr,
+    RUNS: tl.constexpr = 1, PK: tl.constexpr = 0, KP=0,
 ):  # fmt: skip
-    """The byte tile of the pack block at ``kb`` as the raw values of its low and high halves with
-    their affine maps: (v_lo, S_lo, B_lo, v_hi, S_hi, B_hi), weights = v * S + B."""
+    """The byte tile of the pack block(s) at ``kb`` as the raw values of its low and high halves
+    with their affine maps: (v_lo, S_lo, B_lo, v_hi, S_hi, B_hi), weights = v * S + B."""
     byte = byte.to(tl.int32)
     ws_rows = ws_base + cols * stride_wsn
     wz_rows = wz_base + cols * stride_wsn  # zero points share the scale's shape and strides
-    s_lo, b_lo = _w4_affine(ws_rows, wz_rows, ok, kb, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, R)
+    s_lo, b_lo = _w4_affine(ws_rows, wz_rows, ok, kb, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, R, RUNS, PK, KP)
     if 2 * HALF <= GROUP:  # both halves in one group
         s_hi, b_hi = s_lo, b_lo
     else:
-        s_hi, b_hi = _w4_affine(ws_rows, wz_rows, ok, kb + HALF, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, R)
+        s_hi, b_hi = _w4_affine(
+            ws_rows, wz_rows, ok, kb + HALF, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, R, RUNS, PK, KP
+        )
     return _w4_raw(byte, False, W_FMT), s_lo, b_lo, _w4_raw(byte, True, W_FMT), s_hi, b_hi
 
 
@@ -440,9 +464,14 @@ def _w4_unword(v0, v1, v2, v3, R: tl.constexpr, HALF: tl.constexpr):
 def _a_half(
     a_row_ptr, row_ok, perm_base, kh, KD, KP, stride_ak, stride_pk,
     ACT_ORDER: tl.constexpr, EVEN_K: tl.constexpr, HALF: tl.constexpr, OUT_DTYPE: tl.constexpr,
+    RUNS: tl.constexpr = 1, PK: tl.constexpr = 0,
 ):  # fmt: skip
-    """A [BM, HALF] at columns kh.. of the (act-order: permuted) K order, as OUT_DTYPE."""
-    offs = kh + tl.arange(0, HALF)
+    """A [BM, RUNS * HALF] at columns kh + r * PK + c (c < HALF, r < RUNS) of the (act-order:
+    permuted) K order, as OUT_DTYPE."""
+    c = tl.arange(0, RUNS * HALF)
+    offs = kh + c
+    if RUNS > 1:
+        offs = kh + (c // HALF) * PK + c % HALF
     return _a_cols(a_row_ptr, row_ok, perm_base, offs, KD, KP, stride_ak, stride_pk, ACT_ORDER, EVEN_K, OUT_DTYPE)
 
 
@@ -482,26 +511,27 @@ def _w4_mac(acc, w, a, MODE: tl.constexpr, IEEE: tl.constexpr):
 def _w4_tiles(
     w_base, ws_base, wz_base, cols, ok, kb, stride_wn, stride_wk, stride_wsn, stride_wsk,
     W_FMT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, HAS_ZERO: tl.constexpr, FAST: tl.constexpr,
-    SPLIT: tl.constexpr, R: tl.constexpr, OP: tl.constexpr,
+    SPLIT: tl.constexpr, R: tl.constexpr, OP: tl.constexpr, RUNS: tl.constexpr, PK: tl.constexpr, KP,
 ):  # fmt: skip
-    """The dequantized W tiles [R, HALF] in OP (low half, high half) of the pack block at ``kb``:
-    FAST, paired 16-bit math in PTX (``_w4_unpack``); else one fp32 FMA per weight and a cast."""
-    byte = _w4_bytes(w_base, cols, ok, kb, stride_wn, stride_wk, HALF)
+    """The dequantized W tiles [R, RUNS * HALF] in OP (low half, high half) of the RUNS pack blocks
+    at ``kb``: FAST, paired 16-bit math in PTX (``_w4_unpack``); else one fp32 FMA per weight
+    and a cast."""
+    byte = _w4_bytes(w_base, cols, ok, kb, stride_wn, stride_wk, HALF, RUNS, PK, KP)
     if FAST:
         ws_rows = ws_base + cols * stride_wsn
         wz_rows = wz_base + cols * stride_wsn
         m_lo, s_lo, t_lo = _w4_unpack_args(
-            ws_rows, wz_rows, ok, kb, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, SPLIT, R, OP
+            ws_rows, wz_rows, ok, kb, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, SPLIT, R, OP, RUNS, PK, KP
         )
         m_hi, s_hi, t_hi = m_lo, s_lo, t_lo
         if 2 * HALF > GROUP:  # the halves lie in different groups
             m_hi, s_hi, t_hi = _w4_unpack_args(
-                ws_rows, wz_rows, ok, kb + HALF, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, SPLIT, R, OP
+                ws_rows, wz_rows, ok, kb + HALF, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, SPLIT, R, OP, RUNS, PK, KP
             )
         return w4_unpack(byte, m_lo, m_hi, s_lo, s_hi, t_lo, t_hi, W_FMT, OP, SPLIT)
     else:
         v_lo, s_lo, b_lo, v_hi, s_hi, b_hi = _w4_decode(
-            byte, ws_base, wz_base, cols, ok, kb, stride_wsn, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, R
+            byte, ws_base, wz_base, cols, ok, kb, stride_wsn, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, R, RUNS, PK, KP
         )
         return (v_lo * s_lo + b_lo).to(OP), (v_hi * s_hi + b_hi).to(OP)
 
@@ -511,11 +541,12 @@ def _w4_tile_mac(
     acc, a_lo, a_hi, w_base, ws_base, wz_base, cols, ok, kb, stride_wn, stride_wk, stride_wsn, stride_wsk,
     W_FMT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, HAS_ZERO: tl.constexpr, FAST: tl.constexpr,
     SPLIT: tl.constexpr, MODE: tl.constexpr, IEEE: tl.constexpr, R: tl.constexpr, OP: tl.constexpr,
+    RUNS: tl.constexpr, PK: tl.constexpr, KP,
 ):  # fmt: skip
-    """acc + the pack block at ``kb`` of W rows ``cols`` times A's two halves (two dots)."""
+    """acc + the RUNS pack blocks at ``kb`` of W rows ``cols`` times A's two halves (two dots)."""
     w_lo, w_hi = _w4_tiles(
         w_base, ws_base, wz_base, cols, ok, kb, stride_wn, stride_wk, stride_wsn, stride_wsk,
-        W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, R, OP,
+        W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, R, OP, RUNS, PK, KP,
     )  # fmt: skip
     acc = _w4_mac(acc, w_lo, a_lo, MODE, IEEE)
     return _w4_mac(acc, w_hi, a_hi, MODE, IEEE)
@@ -527,23 +558,29 @@ def _w4_dot_step(
     KD, KP, stride_ak, stride_pk, stride_wn, stride_wk, stride_wsn, stride_wsk,
     W_FMT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, ACT_ORDER: tl.constexpr, HAS_ZERO: tl.constexpr,
     GATED: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr, IEEE: tl.constexpr, OP: tl.constexpr,
-    FAST: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+    FAST: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, RUNS: tl.constexpr, PK: tl.constexpr,
 ):  # fmt: skip
-    """One pack block on the tensor cores: two dots (A's low and high halves) per row set."""
+    """RUNS pack blocks on the tensor cores: two dots (A's low and high halves) per row set, each
+    over the RUNS blocks' halves (K = RUNS * HALF: 32-column halves make K = 32 dots, which
+    wait for each other; two runs make K = 64 ones)."""
     if EVEN_K:
         ok = n_ok
     else:
         ok = n_ok & (kb < KP)
-    a_lo = _a_half(a_row_ptr, row_ok, perm_base, kb, KD, KP, stride_ak, stride_pk, ACT_ORDER, EVEN_K, HALF, OP)
-    a_hi = _a_half(a_row_ptr, row_ok, perm_base, kb + HALF, KD, KP, stride_ak, stride_pk, ACT_ORDER, EVEN_K, HALF, OP)
+    a_lo = _a_half(
+        a_row_ptr, row_ok, perm_base, kb, KD, KP, stride_ak, stride_pk, ACT_ORDER, EVEN_K, HALF, OP, RUNS, PK
+    )
+    a_hi = _a_half(
+        a_row_ptr, row_ok, perm_base, kb + HALF, KD, KP, stride_ak, stride_pk, ACT_ORDER, EVEN_K, HALF, OP, RUNS, PK
+    )
     acc = _w4_tile_mac(
         acc, a_lo, a_hi, w_base, ws_base, wz_base, g_cols, ok, kb, stride_wn, stride_wk, stride_wsn, stride_wsk,
-        W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, MODE, IEEE, BLOCK_N, OP,
+        W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, MODE, IEEE, BLOCK_N, OP, RUNS, PK, KP,
     )  # fmt: skip
     if GATED:
         acc_u = _w4_tile_mac(
             acc_u, a_lo, a_hi, w_base, ws_base, wz_base, u_cols, ok, kb, stride_wn, stride_wk, stride_wsn, stride_wsk,
-            W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, MODE, IEEE, BLOCK_N, OP,
+            W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, MODE, IEEE, BLOCK_N, OP, RUNS, PK, KP,
         )  # fmt: skip
     return acc, acc_u
 
@@ -591,6 +628,7 @@ def _w4_gemm_kernel(
     W_FMT: tl.constexpr,  # "int4" | "mxfp4" | "nvfp4"
     GROUP: tl.constexpr,  # K columns per scale
     PK: tl.constexpr,  # the layout's pack block
+    RUNS: tl.constexpr,  # tensor-core tiles: pack blocks per dot (``grouped_gemm_w4.dot_runs``)
     ACT_ORDER: tl.constexpr,  # A's columns gathered through perm (groups sorted at conversion)
     HAS_ZERO: tl.constexpr,
     HAS_W_GSCALE: tl.constexpr,
@@ -695,13 +733,13 @@ def _w4_gemm_kernel(
         if MODE == "swap":
             tl.assume(k_hi > k_lo)
         for k0 in range(k_lo, k_hi, BLOCK_K):
-            for j in tl.static_range(BLOCK_K // PK):
-                kb = k0 + j * PK
+            for j in tl.static_range(BLOCK_K // (RUNS * PK)):
+                kb = k0 + j * RUNS * PK
                 acc, acc_u = _w4_dot_step(
                     acc, acc_u, a_row_ptr, row_ok, perm_base, w_base, ws_base, wz_base, g_cols, u_cols, n_ok, kb,
                     KD, KP, stride_ak, stride_pk, stride_wn, stride_wk, stride_wsn, stride_wsk,
                     W_FMT, GROUP, HALF, ACT_ORDER, HAS_ZERO, GATED, EVEN_K, MODE, IEEE, OP, FAST, SPLIT_SCALE,
-                    BLOCK_N,
+                    BLOCK_N, RUNS, PK,
                 )  # fmt: skip
 
     # ---- back to [BM, BN]; global scale; bias (split 0 only)

@@ -235,6 +235,7 @@ def w4_gemm_launch(
         *(perm.stride() if perm is not None else (0, 0)), *(bias.stride() if bias is not None else (0, 0)),
         *rw_str, *t_str,
         BATCHED=rows.batched, PAIR_BLOCKS=rows.pair_blocks, W_FMT=w.w_fmt, GROUP=w.group_size, PK=w.pack_block,
+        RUNS=dot_runs(cfg, w),
         ACT_ORDER=perm is not None, HAS_ZERO=w.zero is not None, HAS_W_GSCALE=wg is not None,
         HAS_BIAS=bias is not None, MUL_ROUTED_WEIGHT=rw_in_gemm, DOT_DTYPE=_dot_dtype(a),
         ACT="none" if act is None or p is not None else act.activation.value,
@@ -251,6 +252,18 @@ def w4_gemm_launch(
     if p is not None and reduce:
         _reduce(p, c, act, oq, c_scale, None if rw_in_gemm else rw, rw_str, rows, n)
     return p
+
+
+def dot_runs(cfg: LaunchConfig, w: W4Tensor) -> int:
+    """Pack blocks per tensor-core dot: 2 for BM 16 tiles where a half block is under 64 columns
+    (MXFP4, NVFP4, int4 groups of 16-32: 64-column blocks) and the K step holds two, so each
+    dot is K = 64 instead of K = 32 dots that wait for each other. H200, MXFP4, the layer with
+    the same tables (PERF_LOG, seventh session): BM 16 cells 1.05-1.35x faster (Mixtral T = 16
+    559 -> 506 us, gpt-oss T = 64 437 -> 326, DeepSeek-V3 T = 256 3.51 -> 2.84 ms); with BM 32-256
+    mixed, 0.86-1.19x (Mixtral T = 64 0.89x, DeepSeek-V3 T = 1024 0.88x), so they keep one."""
+    if cfg.block_m != 16 or w.half_block >= 64 or w.half_block < w.group_size:
+        return 1
+    return 2 if cfg.block_k % (2 * w.pack_block) == 0 else 1
 
 
 def fast_unpack(cfg: LaunchConfig, w: W4Tensor, dtype: torch.dtype) -> bool:
