@@ -3,7 +3,7 @@
 The w4 GEMM's tensor-core path dequantizes every weight of its tile once per program; from
 ~64 rows per expert down that is what bounds it (``scripts/kbench_w4.py``: Qwen3-30B-A3B
 MXFP4 GEMM1 at T = 1024 ran at 140 TFLOP/s, ~16% of the bf16 rate). The portable Triton code
-(``_grouped_gemm_w4._w4_raw`` / ``_w4_affine``) widens each nibble to an fp32 lane and takes
+(``_w4_operands._w4_raw`` / ``_w4_affine``) widens each nibble to an fp32 lane and takes
 6.6 (int4) and 9.7 (e2m1) SASS instructions per weight in the K loop (sm_90 build of the
 Qwen3 GEMM1 tile, BM 64 x 128 W rows). Here four packed bytes (eight weights) are widened in
 pairs, two 16-bit values per 32-bit register, and every float step is a paired ``fma``:
@@ -99,7 +99,7 @@ def e2m1_ptx(out: str = "bf16", two_muls: bool = True) -> str:
     the high ones as fp32 (exact: a bf16 value is the top half of its fp32), $8 the word, $9
     and $10 the low and high halves' scale as a bf16 pair (s, s). ``two_muls``: the value * 2^-126
     times 2^126, then times the scale; else times the one factor 2^126 * scale the caller
-    passes (``_grouped_gemm_w4._e2m1_scale``)."""
+    passes (``_w4_operands._e2m1_scale``)."""
     head = [
         "{",
         ".reg .b32 t<2>, a, b, r<4>, two, nz;",

@@ -1,0 +1,243 @@
+"""Operand tiles of the 4-bit weight GEMM (``_grouped_gemm_w4``): W's bytes and their scales and
+zero points, decoded by bit placement (the portable path) or prepared for the PTX unpack
+(``_w4_unpack``), and A's columns in the K order the weights' pack blocks meet.
+
+A pack block of PK columns (``quant.w4_layout``) holds column j in the low nibble of its byte j
+and column PK/2 + j in the high nibble: a "half" is PK/2 columns, one per byte. RUNS > 1 (the
+tensor-core tiles, ``grouped_gemm_w4.dot_runs``) takes the halves of RUNS consecutive blocks as
+one operand, columns kh + r * PK + c (c < PK/2): their bytes are contiguous, their scales are
+the runs' groups broadcast, and runs at or past K's padded end (KP) are masked.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._grouped_gemm import _decode_scale
+
+
+@triton.jit
+def _w4_group(
+    ws_rows, wz_rows, ok, kh, stride_wsk,
+    W_FMT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, HAS_ZERO: tl.constexpr, R: tl.constexpr,
+    RUNS: tl.constexpr = 1, PK: tl.constexpr = 0, KP=0,
+):  # fmt: skip
+    """(scale, zero) of the half block at column ``kh``, fp32: [R, 1] when the half lies in one
+    group, else [R, HALF] (whole groups, broadcast). zero: the stored zero point, 8 for
+    symmetric int4 (codes are c - 8), 0 for e2m1 (unused). RUNS > 1 (``_w4_dot_step``): the
+    half of RUNS consecutive pack blocks, [R, RUNS * HALF] (columns kh + r * PK + c, c < HALF),
+    runs at or past KP masked."""
+    z = 8.0 if W_FMT == "int4" else 0.0
+    if RUNS > 1:
+        NR: tl.constexpr = RUNS * (HALF // GROUP)  # groups of the runs' halves
+        idx = tl.arange(0, NR)
+        run = idx // (HALF // GROUP)
+        g = kh // GROUP + run * (PK // GROUP) + idx % (HALF // GROUP)
+        m = ok[:, None] & (kh + run * PK < KP)[None, :]
+        s = _decode_scale(tl.load(ws_rows[:, None] + g[None, :] * stride_wsk, mask=m, other=0), W_FMT)
+        s = tl.reshape(tl.broadcast_to(s[:, :, None], [R, NR, GROUP]), [R, RUNS * HALF])
+        if HAS_ZERO:
+            z = tl.load(wz_rows[:, None] + g[None, :] * stride_wsk, mask=m, other=0).to(tl.float32)
+            z = tl.reshape(tl.broadcast_to(z[:, :, None], [R, NR, GROUP]), [R, RUNS * HALF])
+    elif HALF <= GROUP:
+        g = kh // GROUP
+        s = _decode_scale(tl.load(ws_rows + g * stride_wsk, mask=ok, other=0), W_FMT)[:, None]
+        if HAS_ZERO:
+            z = tl.load(wz_rows + g * stride_wsk, mask=ok, other=0).to(tl.float32)[:, None]
+    else:
+        NG: tl.constexpr = HALF // GROUP
+        g = kh // GROUP + tl.arange(0, NG)
+        s = _decode_scale(tl.load(ws_rows[:, None] + g[None, :] * stride_wsk, mask=ok[:, None], other=0), W_FMT)
+        s = tl.reshape(tl.broadcast_to(s[:, :, None], [R, NG, GROUP]), [R, HALF])
+        if HAS_ZERO:
+            z = tl.load(wz_rows[:, None] + g[None, :] * stride_wsk, mask=ok[:, None], other=0).to(tl.float32)
+            z = tl.reshape(tl.broadcast_to(z[:, :, None], [R, NG, GROUP]), [R, HALF])
+    return s, z
+
+
+@triton.jit
+def _w4_affine(
+    ws_rows, wz_rows, ok, kh, stride_wsk,
+    W_FMT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, HAS_ZERO: tl.constexpr, R: tl.constexpr,
+    RUNS: tl.constexpr = 1, PK: tl.constexpr = 0, KP=0,
+):  # fmt: skip
+    """(S, B) of the half block at column ``kh``: its weights are raw * S + B (``_w4_raw``), fp32,
+    shaped as ``_w4_group``'s.
+
+    int4: raw = 1 + c/16, so (c - zero) * scale = raw * 16 scale - (16 + zero) * scale. e2m1:
+    raw = value * 2^-14, S = scale * 2^14, B = 0.
+    """
+    s, z = _w4_group(ws_rows, wz_rows, ok, kh, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, R, RUNS, PK, KP)
+    return _w4_affine_of(s, z, W_FMT)
+
+
+@triton.jit
+def _w4_affine_of(s, z, W_FMT: tl.constexpr):
+    """(S, B) of ``_w4_affine`` from a scale and zero point."""
+    if W_FMT == "int4":
+        return s * 16.0, -(16.0 + z) * s
+    else:
+        return s * 16384.0, 0.0
+
+
+@triton.jit
+def _w4_unpack_args(
+    ws_rows, wz_rows, ok, kh, stride_wsk,
+    W_FMT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, HAS_ZERO: tl.constexpr, SPLIT: tl.constexpr,
+    R: tl.constexpr, OP: tl.constexpr, RUNS: tl.constexpr = 1, PK: tl.constexpr = 0, KP=0,
+):  # fmt: skip
+    """(m, s_hi, s_lo) in OP of the half block at ``kh`` for ``_w4_unpack.w4_unpack``: m = -(magic
+    + zero) (int4; the magic is 128 in bf16, 1024 in fp16), the scale, and under SPLIT the part
+    of the scale that OP does not hold (so s_hi + s_lo carries 16 significant bits). e2m1: the
+    scale, times 2^126 unless SPLIT (``_e2m1_scale``). RUNS, PK, KP: as ``_w4_group``."""
+    s, z = _w4_group(ws_rows, wz_rows, ok, kh, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, R, RUNS, PK, KP)
+    s_hi = s.to(OP)
+    if W_FMT != "int4":
+        s_hi = _e2m1_scale(s, SPLIT).to(OP)
+    s_lo = s_hi
+    m = s_hi
+    if W_FMT == "int4":
+        if OP == tl.bfloat16:
+            m = (tl.zeros_like(s) - (z + 128.0)).to(OP)  # z may be a constant: m must be a tensor
+        else:
+            m = (tl.zeros_like(s) - (z + 1024.0)).to(OP)
+        if SPLIT:
+            s_lo = (s - s_hi.to(tl.float32)).to(OP)
+    return m, s_hi, s_lo
+
+
+@triton.jit
+def _e2m1_scale(s, SPLIT: tl.constexpr):
+    """The PTX e2m1 unpack's scale operand: the unpack places a code as its value * 2^-126 (bf16),
+    then multiplies by 2^126 and by the scale; where every scale times 2^126 is a bf16 value
+    (not SPLIT: ``W4Tensor.e2m1_one_mul``) the two make one factor and one multiply (exact
+    either way: powers of two and e4m3 values times e2m1 values)."""
+    if SPLIT:
+        return s
+    else:
+        return s * 85070591730234615865843651857942052864.0  # 2^126
+
+
+@triton.jit
+def _w4_raw(byte, HIGH: tl.constexpr, W_FMT: tl.constexpr):
+    """fp32 raw values of the low or high nibbles of ``byte`` (int32 0..255), by bit placement.
+
+    int4 code c: the fp32 1 + c/16 (c in the top four mantissa bits of 1.0): a shift and one
+    and-or, and ``_w4_affine``'s S and B make c - zero times the scale in one FMA, with no
+    int -> float conversion. e2m1: sign to fp16's bit 15, the three magnitude bits to bits 9-11
+    (value * 2^-14, exact; ``_common.e2m1_to_f32``'s placement), then fp16 -> fp32.
+    """
+    if W_FMT == "int4":
+        if HIGH:
+            bits = (byte << 15) & 0x780000
+        else:
+            bits = (byte << 19) & 0x780000
+        return (bits | 0x3F800000).to(tl.float32, bitcast=True)
+    else:
+        if HIGH:
+            bits = ((byte & 0x80) << 8) | ((byte & 0x70) << 5)
+        else:
+            bits = ((byte & 0x8) << 12) | ((byte & 0x7) << 9)
+        return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _w4_bytes(
+    w_base, cols, ok, kb, stride_wn, stride_wk, HALF: tl.constexpr, RUNS: tl.constexpr = 1, PK: tl.constexpr = 0, KP=0
+):  # fmt: skip
+    """The [R, RUNS * HALF] byte tile (uint8) of W rows ``cols`` for the RUNS pack blocks from
+    column ``kb`` (contiguous bytes; runs at or past KP masked)."""
+    c = tl.arange(0, RUNS * HALF)
+    m = ok[:, None]
+    if RUNS > 1:
+        m = m & (kb + (c // HALF) * PK < KP)[None, :]
+    return tl.load(w_base + cols[:, None] * stride_wn + (kb // 2 + c)[None, :] * stride_wk, mask=m, other=0)
+
+
+@triton.jit
+def _w4_decode(
+    byte, ws_base, wz_base, cols, ok, kb, stride_wsn, stride_wsk,
+    W_FMT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, HAS_ZERO: tl.constexpr, R: tl.constexpr,
+    RUNS: tl.constexpr = 1, PK: tl.constexpr = 0, KP=0,
+):  # fmt: skip
+    """The byte tile of the pack block(s) at ``kb`` as the raw values of its low and high halves
+    with their affine maps: (v_lo, S_lo, B_lo, v_hi, S_hi, B_hi), weights = v * S + B."""
+    byte = byte.to(tl.int32)
+    ws_rows = ws_base + cols * stride_wsn
+    wz_rows = wz_base + cols * stride_wsn  # zero points share the scale's shape and strides
+    s_lo, b_lo = _w4_affine(ws_rows, wz_rows, ok, kb, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, R, RUNS, PK, KP)
+    if 2 * HALF <= GROUP:  # both halves in one group
+        s_hi, b_hi = s_lo, b_lo
+    else:
+        s_hi, b_hi = _w4_affine(
+            ws_rows, wz_rows, ok, kb + HALF, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, R, RUNS, PK, KP
+        )
+    return _w4_raw(byte, False, W_FMT), s_lo, b_lo, _w4_raw(byte, True, W_FMT), s_hi, b_hi
+
+
+@triton.jit
+def _w4_word_scales(
+    ws_rows, wz_rows, ok, kh, stride_wsk,
+    W_FMT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, HAS_ZERO: tl.constexpr, R: tl.constexpr,
+):  # fmt: skip
+    """(scale, zero) of each word's half at column ``kh``, fp32: [R, 1] when the half lies in one
+    group, else [R, HALF/4], the half's HALF / GROUP groups loaded once a row and broadcast over
+    their words (a word's four columns always share a group: groups are >= 16)."""
+    if HALF <= GROUP:
+        s, z = _w4_group(ws_rows, wz_rows, ok, kh, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, R)
+    else:
+        NG: tl.constexpr = HALF // GROUP
+        WG: tl.constexpr = GROUP // 4  # words per group
+        g = kh // GROUP + tl.arange(0, NG)
+        s = _decode_scale(tl.load(ws_rows[:, None] + g[None, :] * stride_wsk, mask=ok[:, None], other=0), W_FMT)
+        s = tl.reshape(tl.broadcast_to(s[:, :, None], [R, NG, WG]), [R, NG * WG])
+        z = 8.0 if W_FMT == "int4" else 0.0
+        if HAS_ZERO:
+            z = tl.load(wz_rows[:, None] + g[None, :] * stride_wsk, mask=ok[:, None], other=0).to(tl.float32)
+            z = tl.reshape(tl.broadcast_to(z[:, :, None], [R, NG, WG]), [R, NG * WG])
+    return s, z
+
+
+@triton.jit
+def _bf16_pair(s):
+    """An fp32 tensor as int32 registers holding its bf16 value twice (a paired PTX operand)."""
+    b = s.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return b | (b << 16)
+
+
+@triton.jit
+def _w4_unword(v0, v1, v2, v3, R: tl.constexpr, HALF: tl.constexpr):
+    """[R, HALF] from the values of bytes 0..3 of each word ([R, HALF/4] each): column 4q + j is
+    v_j[:, q] (joins add a trailing axis: (q, a, b) holds v_{2a + b})."""
+    return tl.reshape(tl.join(tl.join(v0, v2), tl.join(v1, v3)), [R, HALF])
+
+
+@triton.jit
+def _a_half(
+    a_row_ptr, row_ok, perm_base, kh, KD, KP, stride_ak, stride_pk,
+    ACT_ORDER: tl.constexpr, EVEN_K: tl.constexpr, HALF: tl.constexpr, OUT_DTYPE: tl.constexpr,
+    RUNS: tl.constexpr = 1, PK: tl.constexpr = 0,
+):  # fmt: skip
+    """A [BM, RUNS * HALF] at columns kh + r * PK + c (c < HALF, r < RUNS) of the (act-order:
+    permuted) K order, as OUT_DTYPE."""
+    c = tl.arange(0, RUNS * HALF)
+    offs = kh + c
+    if RUNS > 1:
+        offs = kh + (c // HALF) * PK + c % HALF
+    return _a_cols(a_row_ptr, row_ok, perm_base, offs, KD, KP, stride_ak, stride_pk, ACT_ORDER, EVEN_K, OUT_DTYPE)
+
+
+@triton.jit
+def _a_cols(
+    a_row_ptr, row_ok, perm_base, offs, KD, KP, stride_ak, stride_pk,
+    ACT_ORDER: tl.constexpr, EVEN_K: tl.constexpr, OUT_DTYPE: tl.constexpr,
+):  # fmt: skip
+    """A [BM, len(offs)] at columns ``offs`` of the (act-order: permuted) K order, as OUT_DTYPE."""
+    if EVEN_K:
+        mask = row_ok[:, None]
+    else:
+        mask = row_ok[:, None] & (offs < KD)[None, :]
+    if ACT_ORDER:
+        offs = tl.load(perm_base + offs * stride_pk, mask=offs < KP, other=0)
+    return tl.load(a_row_ptr[:, None] + offs[None, :] * stride_ak, mask=mask, other=0).to(OUT_DTYPE)
