@@ -13,7 +13,7 @@ blocks of ``sorted_ids``, or rows of one expert's batched slab), over its share 
         acc   += W_lo x A[:, lo half] + W_hi x A[:, hi half]
 
 Dequantization is bit placement and one FMA per weight with per-row constants, no table
-lookup and no int -> float conversion (``_w4_raw``, ``_w4_affine``): an int4 code c becomes
+lookup and no int -> float conversion (``_w4_raw``, ``_w4_affine_of``): an int4 code c becomes
 the fp32 1 + c/16 (c shifted into the top mantissa bits of 1.0), and (c - zero) * scale =
 raw * 16 scale - (16 + zero) * scale; an e2m1 code becomes fp16 bits equal to value * 2^-14
 (``_common.e2m1_to_f32``'s placement) and 2^14 is folded into the per-row scale.

@@ -57,24 +57,10 @@ def _w4_group(
 
 
 @triton.jit
-def _w4_affine(
-    ws_rows, wz_rows, ok, kh, stride_wsk,
-    W_FMT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, HAS_ZERO: tl.constexpr, R: tl.constexpr,
-    RUNS: tl.constexpr = 1, PK: tl.constexpr = 0, KP=0,
-):  # fmt: skip
-    """(S, B) of the half block at column ``kh``: its weights are raw * S + B (``_w4_raw``), fp32,
-    shaped as ``_w4_group``'s.
-
-    int4: raw = 1 + c/16, so (c - zero) * scale = raw * 16 scale - (16 + zero) * scale. e2m1:
-    raw = value * 2^-14, S = scale * 2^14, B = 0.
-    """
-    s, z = _w4_group(ws_rows, wz_rows, ok, kh, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, R, RUNS, PK, KP)
-    return _w4_affine_of(s, z, W_FMT)
-
-
-@triton.jit
 def _w4_affine_of(s, z, W_FMT: tl.constexpr):
-    """(S, B) of ``_w4_affine`` from a scale and zero point."""
+    """(S, B) of a scale and zero point: the weights are raw * S + B (``_w4_raw``), fp32, shaped as
+    the scale. int4: raw = 1 + c/16, so (c - zero) * scale = raw * 16 scale - (16 + zero) * scale;
+    e2m1: raw = value * 2^-14, S = scale * 2^14, B = 0."""
     if W_FMT == "int4":
         return s * 16.0, -(16.0 + z) * s
     else:
@@ -124,7 +110,7 @@ def _w4_raw(byte, HIGH: tl.constexpr, W_FMT: tl.constexpr):
     """fp32 raw values of the low or high nibbles of ``byte`` (int32 0..255), by bit placement.
 
     int4 code c: the fp32 1 + c/16 (c in the top four mantissa bits of 1.0): a shift and one
-    and-or, and ``_w4_affine``'s S and B make c - zero times the scale in one FMA, with no
+    and-or, and ``_w4_affine_of``'s S and B make c - zero times the scale in one FMA, with no
     int -> float conversion. e2m1: sign to fp16's bit 15, the three magnitude bits to bits 9-11
     (value * 2^-14, exact; ``_common.e2m1_to_f32``'s placement), then fp16 -> fp32.
     """
@@ -166,13 +152,12 @@ def _w4_decode(
     byte = byte.to(tl.int32)
     ws_rows = ws_base + cols * stride_wsn
     wz_rows = wz_base + cols * stride_wsn  # zero points share the scale's shape and strides
-    s_lo, b_lo = _w4_affine(ws_rows, wz_rows, ok, kb, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, R, RUNS, PK, KP)
-    if 2 * HALF <= GROUP:  # both halves in one group
-        s_hi, b_hi = s_lo, b_lo
-    else:
-        s_hi, b_hi = _w4_affine(
-            ws_rows, wz_rows, ok, kb + HALF, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, R, RUNS, PK, KP
-        )
+    s, z = _w4_group(ws_rows, wz_rows, ok, kb, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, R, RUNS, PK, KP)
+    s_lo, b_lo = _w4_affine_of(s, z, W_FMT)
+    s_hi, b_hi = s_lo, b_lo
+    if 2 * HALF > GROUP:  # the halves lie in different groups
+        s, z = _w4_group(ws_rows, wz_rows, ok, kb + HALF, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, R, RUNS, PK, KP)
+        s_hi, b_hi = _w4_affine_of(s, z, W_FMT)
     return _w4_raw(byte, False, W_FMT), s_lo, b_lo, _w4_raw(byte, True, W_FMT), s_hi, b_hi
 
 

@@ -3,7 +3,7 @@
 The w4 GEMM's tensor-core path dequantizes every weight of its tile once per program; from
 ~64 rows per expert down that is what bounds it (``scripts/kbench_w4.py``: Qwen3-30B-A3B
 MXFP4 GEMM1 at T = 1024 ran at 140 TFLOP/s, ~16% of the bf16 rate). The portable Triton code
-(``_w4_operands._w4_raw`` / ``_w4_affine``) widens each nibble to an fp32 lane and takes
+(``_w4_operands._w4_raw`` / ``_w4_affine_of``) widens each nibble to an fp32 lane and takes
 6.6 (int4) and 9.7 (e2m1) SASS instructions per weight in the K loop (sm_90 build of the
 Qwen3 GEMM1 tile, BM 64 x 128 W rows). Here four packed bytes (eight weights) are widened in
 pairs, two 16-bit values per 32-bit register, and every float step is a paired ``fma``:
