@@ -273,8 +273,6 @@ def _w4_mac(acc, w, a, MODE: tl.constexpr, IEEE: tl.constexpr):
             return tl.dot(w, tl.trans(a), acc, input_precision="ieee")
         else:
             return tl.dot(w, tl.trans(a), acc)
-    elif MODE == "fma1":
-        return acc + w * a
     else:
         if IEEE:
             return tl.dot(a, tl.trans(w), acc, input_precision="ieee")
