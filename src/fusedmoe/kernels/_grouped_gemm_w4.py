@@ -65,10 +65,10 @@ from ._w4_operands import (
     _w4_affine_of,
     _w4_bytes,
     _w4_decode,
+    _w4_group,
     _w4_raw,
     _w4_unpack_args,
     _w4_unword,
-    _w4_word_scales,
 )
 from ._w4_unpack import e2m1_word_f32, w4_unpack
 
@@ -245,10 +245,10 @@ def _w4_word_mac(
     R: tl.constexpr = word.shape[0]
     ws_rows = ws_base + cols * stride_wsn
     wz_rows = wz_base + cols * stride_wsn  # zero points share the scale's shape and strides
-    s_lo, z_lo = _w4_word_scales(ws_rows, wz_rows, ok, kb, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, R)
+    s_lo, z_lo = _w4_group(ws_rows, wz_rows, ok, kb, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, R, PER=4)
     s_hi, z_hi = s_lo, z_lo
     if 2 * HALF > GROUP:  # the halves lie in different groups
-        s_hi, z_hi = _w4_word_scales(ws_rows, wz_rows, ok, kb + HALF, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, R)
+        s_hi, z_hi = _w4_group(ws_rows, wz_rows, ok, kb + HALF, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, R, PER=4)
     if FAST:
         l0, l1, l2, l3, h0, h1, h2, h3 = e2m1_word_f32(
             word, _bf16_pair(_e2m1_scale(s_lo, SPLIT)), _bf16_pair(_e2m1_scale(s_hi, SPLIT)), SPLIT

@@ -21,38 +21,34 @@ from ._grouped_gemm import _decode_scale
 def _w4_group(
     ws_rows, wz_rows, ok, kh, stride_wsk,
     W_FMT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, HAS_ZERO: tl.constexpr, R: tl.constexpr,
-    RUNS: tl.constexpr = 1, PK: tl.constexpr = 0, KP=0,
+    RUNS: tl.constexpr = 1, PK: tl.constexpr = 0, KP=0, PER: tl.constexpr = 1,
 ):  # fmt: skip
     """(scale, zero) of the half block at column ``kh``, fp32: [R, 1] when the half lies in one
-    group, else [R, HALF] (whole groups, broadcast). zero: the stored zero point, 8 for
-    symmetric int4 (codes are c - 8), 0 for e2m1 (unused). RUNS > 1 (``_w4_dot_step``): the
-    half of RUNS consecutive pack blocks, [R, RUNS * HALF] (columns kh + r * PK + c, c < HALF),
-    runs at or past KP masked."""
+    group, else [R, HALF / PER], each group loaded once a row and broadcast over its columns (PER
+    1) or its words (PER 4, "fma1": a word's four columns share a group, groups being >= 16).
+    zero: the stored zero point, 8 for symmetric int4 (codes are c - 8), 0 for e2m1 (unused).
+    RUNS > 1 (``_w4_dot_step``): the half of RUNS consecutive pack blocks, [R, RUNS * HALF]
+    (columns kh + r * PK + c, c < HALF), runs at or past KP masked."""
     z = 8.0 if W_FMT == "int4" else 0.0
-    if RUNS > 1:
-        NR: tl.constexpr = RUNS * (HALF // GROUP)  # groups of the runs' halves
-        idx = tl.arange(0, NR)
-        run = idx // (HALF // GROUP)
-        g = kh // GROUP + run * (PK // GROUP) + idx % (HALF // GROUP)
-        m = ok[:, None] & (kh + run * PK < KP)[None, :]
-        s = _decode_scale(tl.load(ws_rows[:, None] + g[None, :] * stride_wsk, mask=m, other=0), W_FMT)
-        s = tl.reshape(tl.broadcast_to(s[:, :, None], [R, NR, GROUP]), [R, RUNS * HALF])
-        if HAS_ZERO:
-            z = tl.load(wz_rows[:, None] + g[None, :] * stride_wsk, mask=m, other=0).to(tl.float32)
-            z = tl.reshape(tl.broadcast_to(z[:, :, None], [R, NR, GROUP]), [R, RUNS * HALF])
-    elif HALF <= GROUP:
+    if HALF <= GROUP and RUNS == 1:
         g = kh // GROUP
         s = _decode_scale(tl.load(ws_rows + g * stride_wsk, mask=ok, other=0), W_FMT)[:, None]
         if HAS_ZERO:
             z = tl.load(wz_rows + g * stride_wsk, mask=ok, other=0).to(tl.float32)[:, None]
     else:
-        NG: tl.constexpr = HALF // GROUP
-        g = kh // GROUP + tl.arange(0, NG)
-        s = _decode_scale(tl.load(ws_rows[:, None] + g[None, :] * stride_wsk, mask=ok[:, None], other=0), W_FMT)
-        s = tl.reshape(tl.broadcast_to(s[:, :, None], [R, NG, GROUP]), [R, HALF])
+        NH: tl.constexpr = HALF // GROUP  # groups of one block's half (RUNS > 1 needs HALF >= GROUP)
+        idx = tl.arange(0, RUNS * NH)
+        run = idx // NH
+        g = kh // GROUP + run * (PK // GROUP) + idx % NH
+        m = ok[:, None]
+        if RUNS > 1:
+            m = m & (kh + run * PK < KP)[None, :]
+        shape: tl.constexpr = [R, RUNS * NH, GROUP // PER]
+        s = _decode_scale(tl.load(ws_rows[:, None] + g[None, :] * stride_wsk, mask=m, other=0), W_FMT)
+        s = tl.reshape(tl.broadcast_to(s[:, :, None], shape), [R, RUNS * HALF // PER])
         if HAS_ZERO:
-            z = tl.load(wz_rows[:, None] + g[None, :] * stride_wsk, mask=ok[:, None], other=0).to(tl.float32)
-            z = tl.reshape(tl.broadcast_to(z[:, :, None], [R, NG, GROUP]), [R, HALF])
+            z = tl.load(wz_rows[:, None] + g[None, :] * stride_wsk, mask=m, other=0).to(tl.float32)
+            z = tl.reshape(tl.broadcast_to(z[:, :, None], shape), [R, RUNS * HALF // PER])
     return s, z
 
 
@@ -159,29 +155,6 @@ def _w4_decode(
         s, z = _w4_group(ws_rows, wz_rows, ok, kb + HALF, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, R, RUNS, PK, KP)
         s_hi, b_hi = _w4_affine_of(s, z, W_FMT)
     return _w4_raw(byte, False, W_FMT), s_lo, b_lo, _w4_raw(byte, True, W_FMT), s_hi, b_hi
-
-
-@triton.jit
-def _w4_word_scales(
-    ws_rows, wz_rows, ok, kh, stride_wsk,
-    W_FMT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, HAS_ZERO: tl.constexpr, R: tl.constexpr,
-):  # fmt: skip
-    """(scale, zero) of each word's half at column ``kh``, fp32: [R, 1] when the half lies in one
-    group, else [R, HALF/4], the half's HALF / GROUP groups loaded once a row and broadcast over
-    their words (a word's four columns always share a group: groups are >= 16)."""
-    if HALF <= GROUP:
-        s, z = _w4_group(ws_rows, wz_rows, ok, kh, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, R)
-    else:
-        NG: tl.constexpr = HALF // GROUP
-        WG: tl.constexpr = GROUP // 4  # words per group
-        g = kh // GROUP + tl.arange(0, NG)
-        s = _decode_scale(tl.load(ws_rows[:, None] + g[None, :] * stride_wsk, mask=ok[:, None], other=0), W_FMT)
-        s = tl.reshape(tl.broadcast_to(s[:, :, None], [R, NG, WG]), [R, NG * WG])
-        z = 8.0 if W_FMT == "int4" else 0.0
-        if HAS_ZERO:
-            z = tl.load(wz_rows[:, None] + g[None, :] * stride_wsk, mask=ok[:, None], other=0).to(tl.float32)
-            z = tl.reshape(tl.broadcast_to(z[:, :, None], [R, NG, WG]), [R, NG * WG])
-    return s, z
 
 
 @triton.jit

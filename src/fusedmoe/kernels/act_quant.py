@@ -275,11 +275,9 @@ def quantize_activations(
     scale's abs-max, already known (``act_quant_launch``). On the CPU without the
     interpreter this is ``quantize_activations_ref``.
     """
-    if amax is not None:
-        amax = known_amax(amax)
     if not _use_kernel(x):
-        if amax is not None:
-            scale, tq = scale_of_amax(amax, tq), replace(tq, dynamic=False)
+        if amax is not None:  # act_quant_launch checks it on the kernel path
+            scale, tq = scale_of_amax(known_amax(amax), tq), replace(tq, dynamic=False)
         ref = quantize_activations_ref(_zero_masked(x, row_mask), tq, scale=scale, global_scale=global_scale)
         return _fill(out, ref)
     return act_quant_launch(x, tq, scale=scale, global_scale=global_scale, out=out, row_mask=row_mask, amax=amax)
