@@ -241,6 +241,7 @@ W4_CASES = [
         "int4 g128 fp16 swap gemm2", "int4_g128", "gemm2", (64, 128, 128, 8, 8, 3, 1, 1), dtype="f16", scale_dtype="f16"
     ),  # fmt: skip
     W4Case("mxfp4 swap gemm1 silu", "mxfp4", "gemm1", (64, 64, 128, 8, 4, 3, 1, 1)),
+    W4Case("mxfp4 swap BM 32, one dot a K step", "mxfp4", "gemm1", (32, 128, 128, 1, 4, 3, 1, 1)),
     W4Case("mxfp4 dot gemm2 batched", "mxfp4", "gemm2", (16, 64, 128, 1, 4, 4, 1, 0), batched=True),
     W4Case("nvfp4 swap gemm2", "nvfp4", "gemm2", (128, 128, 128, 8, 8, 3, 1, 1)),
     W4Case("mxfp4 fma1 gemm2 split 2", "mxfp4", "gemm2", (1, 32, 64, 1, 4, 4, 2, 1), fma=True),

@@ -252,6 +252,21 @@ def test_dot_runs_pairs_64_column_blocks_on_the_tensor_cores():
     assert dot_runs(LaunchConfig(1, 64, 128, 1, 4, 4, w_major=1), mx) == 1
 
 
+def test_dot_cat_one_dot_per_k_step_at_bm_32():
+    """W-major tiles of 64-column blocks at BM 32 make one dot per K step; BM 16 (two-block dots),
+    BM 64+, C-major tiles, 128-column blocks and a step of 8 blocks do not."""
+    from fusedmoe.kernels.grouped_gemm_w4 import dot_cat
+
+    def w4(name):
+        return to_w4(_quantized(SCHEMES[name], 1, 16, 256), SCHEMES[name].w1)
+
+    mx, nv, g128 = w4("mxfp4"), w4("nvfp4"), w4("int4_g128")
+    swap = [LaunchConfig(bm, 128, 128, 1, 4, 3, w_major=1) for bm in (16, 32, 64, 128)]
+    assert [dot_cat(c, w) for w in (mx, nv) for c in swap] == [False, True, False, False] * 2
+    assert not dot_cat(swap[1], g128) and not dot_cat(LaunchConfig(32, 128, 128, 1, 4, 3), mx)
+    assert not dot_cat(LaunchConfig(32, 128, 512, 1, 4, 3, w_major=1), mx)  # 8 blocks a step
+
+
 @pytest.mark.parametrize(
     ("scheme", "top_code", "one_mul"),
     [("mxfp4", 128, True), ("mxfp4", 129, False), ("mxfp4", 254, False), ("nvfp4", 0x40, True), ("nvfp4", 0x41, False)],
@@ -323,6 +338,7 @@ MODES = {  # (BM, w_major): how the operands meet
     "dot": (16, 0),  # tensor cores, C = A @ W^T
     "swap": (16, 1),  # tensor cores, C^T = W @ A^T
 }
+CAT_MODE = (32, 1)  # "swap" at BM 32: one dot per K step for 64-column blocks (``dot_cat``)
 # (label, T, E, top-k, routing, N out, K): the labelled edge cases (STYLE point 7)
 EDGES = [
     ("empty_expert", 9, 5, 2, "skip_last", 40, 128),
@@ -374,6 +390,10 @@ def _cases() -> list[Case]:
     # and A columns masked), halves of one and of two groups
     for i, scheme in enumerate(("mxfp4", "nvfp4", "int4_g16_zp", "int4_g32_actorder")):
         out.append(Case(scheme, ("dot", "swap")[i % 2], act=ACTS[i % 3], edge=EDGES[4], split=1))
+    # one dot per K step (BM 32 W-major): the step's blocks concatenated in K order, K ending
+    # inside the second block (K 192), halves of one and of two groups, both layouts, split-K
+    for i, scheme in enumerate(("mxfp4", "nvfp4", "int4_g16_zp", "int4_g32_actorder")):
+        out.append(Case(scheme, "cat", ("standard", "batched")[i % 2], ACTS[(i + 1) % 3], (1, 3)[i // 2], EDGES[4]))
     return out
 
 
@@ -396,7 +416,7 @@ def run_case(c: Case, out_dtype=torch.float32, device: str = DEVICE, config: Lau
     n_w = 2 * n if ep is not None and ep.activation.is_gated else n
     seed = zlib.crc32(c.id.encode())
     gen = torch.Generator().manual_seed(seed)
-    bm, w_major = MODES[c.mode]
+    bm, w_major = CAT_MODE if c.mode == "cat" else MODES[c.mode]
     if config is None:
         # BN 64 (a gated activation's 32 output columns read 64 W rows): one or two column tiles
         # the FMA path steps one pack block (BK 64) or two (BK 256, odd splits); the tensor

@@ -8,8 +8,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 from ptx_model import _bf16_to_f64, _f16_to_f64, _f64_to_bf16, _f64_to_f16, run
 
+from fusedmoe.kernels._w4_operands import _bf16_pair, _e2m1_bits
 from fusedmoe.kernels._w4_unpack import e2m1_ptx, int4_ptx
 
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
@@ -125,3 +128,33 @@ def test_model_rejects_what_ptxas_rejects():
     """fma with an immediate float operand does not assemble (ptxas: 'Arguments mismatch')."""
     with pytest.raises(AssertionError, match="immediate"):
         run("{ fma.rn.bf16x2 $0, $1, 0x3F803F80, $1; }", [np.zeros(2, dtype=np.uint32)], 1)
+
+
+@triton.jit
+def _scale_bits_kernel(s_ptr, bits_ptr, pair_ptr, W_FMT: tl.constexpr, SPLIT: tl.constexpr):
+    offs = tl.arange(0, 256)
+    bits = _e2m1_bits(tl.load(s_ptr + offs), W_FMT, SPLIT)
+    tl.store(bits_ptr + offs, bits)
+    tl.store(pair_ptr + offs, _bf16_pair(bits))
+
+
+@pytest.mark.parametrize(("w_fmt", "split"), [("mxfp4", True), ("mxfp4", False), ("nvfp4", True)])
+def test_scale_bits_are_the_decoded_scale_in_bf16(w_fmt, split):
+    """The scale operand's bf16 bits, made from the stored code by integer work (MXFP4) or from the
+    decoded scale (NVFP4), equal the float decode's (the scale, or 2^126 times it where
+    ``e2m1_one_mul`` holds: e8m0 codes <= 128) for every code; the pair holds them in both lanes."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    bits, pair = torch.empty(256, dtype=torch.int32), torch.empty(256, dtype=torch.int32)
+    # MXFP4 takes the stored codes, NVFP4 its decoded scales
+    s_in = codes if w_fmt == "mxfp4" else codes.view(torch.float8_e4m3fn).float()
+    _scale_bits_kernel[(1,)](s_in, bits, pair, W_FMT=w_fmt, SPLIT=split)
+    if w_fmt == "mxfp4":
+        s = torch.where(codes == 0, 0.0, torch.exp2(codes.double() - 127))  # e8m0_to_f32 flushes code 0
+    else:
+        s = codes.view(torch.float8_e4m3fn).double()
+    want = (s if split else s * 2.0**126).to(torch.bfloat16).view(torch.int16).int() & 0xFFFF
+    keep = torch.ones(256, dtype=torch.bool) if split else codes <= 128
+    if w_fmt == "nvfp4":
+        keep &= ~s.isnan()
+    assert torch.equal(bits[keep] & 0xFFFF, want[keep])
+    assert torch.equal(pair[keep], (want[keep] | (want[keep] << 16)).int())

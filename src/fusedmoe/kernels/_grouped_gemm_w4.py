@@ -27,7 +27,10 @@ How the two tiles meet (constexpr ``MODE``; H100 numbers from ``scripts/kbench_w
   shared memory); A^T goes through shared memory, as loads do anyway. BM becomes the MMA's
   N (16..256), BN its M (64 per warpgroup), so small BM stays efficient. Prefill: Mixtral int4
   GEMM2 at T = 4096, BM 128 x BN 128: 3.18 ms swap vs 3.99 ms dot; BM 256 (swap only, the
-  accumulator being [BN, BM]) 2.44 ms. At BM 16 "dot" wins for the e2m1 formats.
+  accumulator being [BN, BM]) 2.44 ms. At BM 16 "dot" wins for the e2m1 formats. Dots chained
+  inside a K step are waited for one by one (a register-A wgmma is left in flight only when
+  its result is the loop-carried accumulator); at BM 32 the 64-column blocks of a step are
+  concatenated in K order for one dot a step (``grouped_gemm_w4.dot_cat``).
 * "fma" (BM 1..8, decode): fp32 multiply-reduce per A row (``_grouped_gemm._fma_rows``).
   BM 4 and 8 were 5-10x slower than a BM 16 dot tile: kept for correctness only.
 * "fma1" (BM 1): acc [BN, h] += W * a: fp32 partial sums kept per K position, reduced over K
@@ -59,9 +62,10 @@ import triton.language as tl
 from ._common import apply_act, quant_linear
 from ._grouped_gemm import _fma_rows
 from ._w4_operands import (
+    _a_cols,
     _a_half,
     _bf16_pair,
-    _e2m1_scale,
+    _e2m1_bits,
     _w4_affine_of,
     _w4_bytes,
     _w4_decode,
@@ -245,13 +249,16 @@ def _w4_word_mac(
     R: tl.constexpr = word.shape[0]
     ws_rows = ws_base + cols * stride_wsn
     wz_rows = wz_base + cols * stride_wsn  # zero points share the scale's shape and strides
-    s_lo, z_lo = _w4_group(ws_rows, wz_rows, ok, kb, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, R, PER=4)
+    RAW: tl.constexpr = FAST and W_FMT == "mxfp4"  # e8m0 codes stay codes until their bf16 bits
+    s_lo, z_lo = _w4_group(ws_rows, wz_rows, ok, kb, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, R, PER=4, RAW=RAW)
     s_hi, z_hi = s_lo, z_lo
     if 2 * HALF > GROUP:  # the halves lie in different groups
-        s_hi, z_hi = _w4_group(ws_rows, wz_rows, ok, kb + HALF, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, R, PER=4)
-    if FAST:
+        s_hi, z_hi = _w4_group(
+            ws_rows, wz_rows, ok, kb + HALF, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, R, PER=4, RAW=RAW
+        )
+    if FAST:  # e2m1 (``fast_unpack``)
         l0, l1, l2, l3, h0, h1, h2, h3 = e2m1_word_f32(
-            word, _bf16_pair(_e2m1_scale(s_lo, SPLIT)), _bf16_pair(_e2m1_scale(s_hi, SPLIT)), SPLIT
+            word, _bf16_pair(_e2m1_bits(s_lo, W_FMT, SPLIT)), _bf16_pair(_e2m1_bits(s_hi, W_FMT, SPLIT)), SPLIT
         )
     else:
         sc_lo, b_lo = _w4_affine_of(s_lo, z_lo, W_FMT)
@@ -314,15 +321,54 @@ def _w4_tile_mac(
     acc, a_lo, a_hi, w_base, ws_base, wz_base, cols, ok, kb, stride_wn, stride_wk, stride_wsn, stride_wsk,
     W_FMT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, HAS_ZERO: tl.constexpr, FAST: tl.constexpr,
     SPLIT: tl.constexpr, MODE: tl.constexpr, IEEE: tl.constexpr, R: tl.constexpr, OP: tl.constexpr,
-    RUNS: tl.constexpr, PK: tl.constexpr, KP,
+    RUNS: tl.constexpr, PK: tl.constexpr, KP, CAT: tl.constexpr = False,
 ):  # fmt: skip
-    """acc + the RUNS pack blocks at ``kb`` of W rows ``cols`` times A's two halves (two dots)."""
-    w_lo, w_hi = _w4_tiles(
-        w_base, ws_base, wz_base, cols, ok, kb, stride_wn, stride_wk, stride_wsn, stride_wsk,
-        W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, R, OP, RUNS, PK, KP,
+    """acc + the RUNS pack blocks at ``kb`` of W rows ``cols`` times A: two dots (A's low and high
+    halves), or under CAT one dot of the blocks in K order (``a_lo`` is then A's whole step)."""
+    if CAT:  # each block unpacked with its own [R, 1] scales, then concatenated
+        w = _w4_block(w_base, ws_base, wz_base, cols, ok, kb, stride_wn, stride_wk, stride_wsn, stride_wsk,
+                      W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, R, OP, PK, KP)  # fmt: skip
+        if RUNS >= 2:
+            w = _cat_k(w, _w4_block(w_base, ws_base, wz_base, cols, ok, kb + PK, stride_wn, stride_wk, stride_wsn,
+                                    stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, R, OP, PK, KP))  # fmt: skip
+        if RUNS == 4:
+            w_2 = _w4_block(w_base, ws_base, wz_base, cols, ok, kb + 2 * PK, stride_wn, stride_wk, stride_wsn,
+                            stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, R, OP, PK, KP)  # fmt: skip
+            w_3 = _w4_block(w_base, ws_base, wz_base, cols, ok, kb + 3 * PK, stride_wn, stride_wk, stride_wsn,
+                            stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, R, OP, PK, KP)  # fmt: skip
+            w = _cat_k(w, _cat_k(w_2, w_3))
+        acc = _w4_mac(acc, w, a_lo, MODE, IEEE)
+    else:
+        w_lo, w_hi = _w4_tiles(
+            w_base, ws_base, wz_base, cols, ok, kb, stride_wn, stride_wk, stride_wsn, stride_wsk,
+            W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, R, OP, RUNS, PK, KP,
+        )  # fmt: skip
+        acc = _w4_mac(acc, w_lo, a_lo, MODE, IEEE)
+        acc = _w4_mac(acc, w_hi, a_hi, MODE, IEEE)
+    return acc
+
+
+@triton.jit
+def _cat_k(x, y):
+    """[R, 2C]: x's columns, then y's (a join along a new last axis, moved before the columns)."""
+    R: tl.constexpr = x.shape[0]
+    C: tl.constexpr = x.shape[1]
+    return tl.reshape(tl.permute(tl.join(x, y), (0, 2, 1)), [R, 2 * C])
+
+
+@triton.jit
+def _w4_block(
+    w_base, ws_base, wz_base, cols, ok, kb, stride_wn, stride_wk, stride_wsn, stride_wsk,
+    W_FMT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, HAS_ZERO: tl.constexpr, FAST: tl.constexpr,
+    SPLIT: tl.constexpr, R: tl.constexpr, OP: tl.constexpr, PK: tl.constexpr, KP,
+):  # fmt: skip
+    """The dequantized [R, PK] tile of the pack block at ``kb``, columns in K order (its low half,
+    then its high half); a block at or past KP is zeros (bytes and scales masked)."""
+    lo, hi = _w4_tiles(
+        w_base, ws_base, wz_base, cols, ok & (kb < KP), kb, stride_wn, stride_wk, stride_wsn, stride_wsk,
+        W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, R, OP, 1, PK, KP,
     )  # fmt: skip
-    acc = _w4_mac(acc, w_lo, a_lo, MODE, IEEE)
-    return _w4_mac(acc, w_hi, a_hi, MODE, IEEE)
+    return _cat_k(lo, hi)
 
 
 @triton.jit
@@ -332,28 +378,37 @@ def _w4_dot_step(
     W_FMT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, ACT_ORDER: tl.constexpr, HAS_ZERO: tl.constexpr,
     GATED: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr, IEEE: tl.constexpr, OP: tl.constexpr,
     FAST: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, RUNS: tl.constexpr, PK: tl.constexpr,
+    CAT: tl.constexpr = False,
 ):  # fmt: skip
     """RUNS pack blocks on the tensor cores: two dots (A's low and high halves) per row set, each
     over the RUNS blocks' halves (K = RUNS * HALF: 32-column halves make K = 32 dots, which
-    wait for each other; two runs make K = 64 ones)."""
+    wait for each other; two runs make K = 64 ones), or under CAT (``grouped_gemm_w4.dot_cat``)
+    one dot over the RUNS blocks in K order with A's step loaded as it lies."""
     if EVEN_K:
         ok = n_ok
     else:
         ok = n_ok & (kb < KP)
-    a_lo = _a_half(
-        a_row_ptr, row_ok, perm_base, kb, KD, KP, stride_ak, stride_pk, ACT_ORDER, EVEN_K, HALF, OP, RUNS, PK
-    )
-    a_hi = _a_half(
-        a_row_ptr, row_ok, perm_base, kb + HALF, KD, KP, stride_ak, stride_pk, ACT_ORDER, EVEN_K, HALF, OP, RUNS, PK
-    )
+    if CAT:
+        a_lo = _a_cols(
+            a_row_ptr, row_ok, perm_base, kb + tl.arange(0, RUNS * PK), KD, KP, stride_ak, stride_pk,
+            ACT_ORDER, EVEN_K, OP,
+        )  # fmt: skip
+        a_hi = a_lo
+    else:
+        a_lo = _a_half(
+            a_row_ptr, row_ok, perm_base, kb, KD, KP, stride_ak, stride_pk, ACT_ORDER, EVEN_K, HALF, OP, RUNS, PK
+        )
+        a_hi = _a_half(
+            a_row_ptr, row_ok, perm_base, kb + HALF, KD, KP, stride_ak, stride_pk, ACT_ORDER, EVEN_K, HALF, OP, RUNS, PK
+        )
     acc = _w4_tile_mac(
         acc, a_lo, a_hi, w_base, ws_base, wz_base, g_cols, ok, kb, stride_wn, stride_wk, stride_wsn, stride_wsk,
-        W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, MODE, IEEE, BLOCK_N, OP, RUNS, PK, KP,
+        W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, MODE, IEEE, BLOCK_N, OP, RUNS, PK, KP, CAT,
     )  # fmt: skip
     if GATED:
         acc_u = _w4_tile_mac(
             acc_u, a_lo, a_hi, w_base, ws_base, wz_base, u_cols, ok, kb, stride_wn, stride_wk, stride_wsn, stride_wsk,
-            W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, MODE, IEEE, BLOCK_N, OP, RUNS, PK, KP,
+            W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, MODE, IEEE, BLOCK_N, OP, RUNS, PK, KP, CAT,
         )  # fmt: skip
     return acc, acc_u
 
@@ -402,6 +457,7 @@ def _w4_gemm_kernel(
     GROUP: tl.constexpr,  # K columns per scale
     PK: tl.constexpr,  # the layout's pack block
     RUNS: tl.constexpr,  # tensor-core tiles: pack blocks per dot (``grouped_gemm_w4.dot_runs``)
+    CAT: tl.constexpr,  # W-major tiles: one dot per K step, the blocks in K order (``dot_cat``)
     ACT_ORDER: tl.constexpr,  # A's columns gathered through perm (groups sorted at conversion)
     HAS_ZERO: tl.constexpr,
     HAS_W_GSCALE: tl.constexpr,
@@ -512,7 +568,7 @@ def _w4_gemm_kernel(
                     acc, acc_u, a_row_ptr, row_ok, perm_base, w_base, ws_base, wz_base, g_cols, u_cols, n_ok, kb,
                     KD, KP, stride_ak, stride_pk, stride_wn, stride_wk, stride_wsn, stride_wsk,
                     W_FMT, GROUP, HALF, ACT_ORDER, HAS_ZERO, GATED, EVEN_K, MODE, IEEE, OP, FAST, SPLIT_SCALE,
-                    BLOCK_N, RUNS, PK,
+                    BLOCK_N, RUNS, PK, CAT,
                 )  # fmt: skip
 
     # ---- back to [BM, BN]; global scale; bias (split 0 only)

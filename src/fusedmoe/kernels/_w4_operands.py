@@ -21,9 +21,10 @@ from ._grouped_gemm import _decode_scale
 def _w4_group(
     ws_rows, wz_rows, ok, kh, stride_wsk,
     W_FMT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, HAS_ZERO: tl.constexpr, R: tl.constexpr,
-    RUNS: tl.constexpr = 1, PK: tl.constexpr = 0, KP=0, PER: tl.constexpr = 1,
+    RUNS: tl.constexpr = 1, PK: tl.constexpr = 0, KP=0, PER: tl.constexpr = 1, RAW: tl.constexpr = False,
 ):  # fmt: skip
-    """(scale, zero) of the half block at column ``kh``, fp32: [R, 1] when the half lies in one
+    """(scale, zero) of the half block at column ``kh``, fp32 (RAW: the stored scale codes, not
+    decoded; ``_e2m1_bits``): [R, 1] when the half lies in one
     group, else [R, HALF / PER], each group loaded once a row and broadcast over its columns (PER
     1) or its words (PER 4, "fma1": a word's four columns share a group, groups being >= 16).
     zero: the stored zero point, 8 for symmetric int4 (codes are c - 8), 0 for e2m1 (unused).
@@ -31,8 +32,12 @@ def _w4_group(
     (columns kh + r * PK + c, c < HALF), runs at or past KP masked."""
     z = 8.0 if W_FMT == "int4" else 0.0
     if HALF <= GROUP and RUNS == 1:
-        g = kh // GROUP
-        s = _decode_scale(tl.load(ws_rows + g * stride_wsk, mask=ok, other=0), W_FMT)[:, None]
+        if RAW:  # "fma1": kh >= 0 divided as unsigned, a shift with no sign fix-ups (~3 SASS a load)
+            g = tl.cast(tl.cast(kh, tl.uint32) // GROUP, tl.int32)
+            s = tl.load(ws_rows + g * stride_wsk, mask=ok, other=0)[:, None]
+        else:
+            g = kh // GROUP
+            s = _decode_scale(tl.load(ws_rows + g * stride_wsk, mask=ok, other=0), W_FMT)[:, None]
         if HAS_ZERO:
             z = tl.load(wz_rows + g * stride_wsk, mask=ok, other=0).to(tl.float32)[:, None]
     else:
@@ -44,7 +49,9 @@ def _w4_group(
         if RUNS > 1:
             m = m & (kh + run * PK < KP)[None, :]
         shape: tl.constexpr = [R, RUNS * NH, GROUP // PER]
-        s = _decode_scale(tl.load(ws_rows[:, None] + g[None, :] * stride_wsk, mask=m, other=0), W_FMT)
+        s = tl.load(ws_rows[:, None] + g[None, :] * stride_wsk, mask=m, other=0)
+        if not RAW:
+            s = _decode_scale(s, W_FMT)
         s = tl.reshape(tl.broadcast_to(s[:, :, None], shape), [R, RUNS * HALF // PER])
         if HAS_ZERO:
             z = tl.load(wz_rows[:, None] + g[None, :] * stride_wsk, mask=m, other=0).to(tl.float32)
@@ -87,6 +94,25 @@ def _w4_unpack_args(
         if SPLIT:
             s_lo = (s - s_hi.to(tl.float32)).to(OP)
     return m, s_hi, s_lo
+
+
+@triton.jit
+def _e2m1_bits(s, W_FMT: tl.constexpr, SPLIT: tl.constexpr):
+    """The PTX e2m1 unpack's scale operand (``_e2m1_scale``) as the int32 bits of its bf16 value.
+    MXFP4: ``s`` is the stored e8m0 code e (``_w4_group``'s RAW), the scale 2^(e - 127), whose bf16
+    bits are e << 7, and those of 2^126 times it (e <= 128 where ``e2m1_one_mul``) (e + 126) << 7:
+    integer work in place of a decode, a multiply and a conversion (the sm_90 "fma1" K loop, 8
+    scale loads a step: 503 -> 469 SASS instructions with the unsigned column division); code 0
+    stays 0, as ``e8m0_to_f32`` flushes it. NVFP4: ``s`` is the decoded fp32 scale (its halves
+    span two 16-column groups, broadcast before this: decoding after would convert 4x the values)."""
+    if W_FMT == "mxfp4":
+        e = s.to(tl.int32)
+        if SPLIT:
+            return e << 7
+        else:
+            return tl.where(e == 0, 0, (e + 126) << 7)
+    else:
+        return _e2m1_scale(s, SPLIT).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32)
 
 
 @triton.jit
@@ -158,10 +184,9 @@ def _w4_decode(
 
 
 @triton.jit
-def _bf16_pair(s):
-    """An fp32 tensor as int32 registers holding its bf16 value twice (a paired PTX operand)."""
-    b = s.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    return b | (b << 16)
+def _bf16_pair(b):
+    """int32 registers holding the bf16 bits ``b`` twice (a paired PTX operand)."""
+    return (b & 0xFFFF) * 0x10001
 
 
 @triton.jit

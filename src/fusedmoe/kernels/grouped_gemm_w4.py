@@ -224,6 +224,7 @@ def w4_gemm_launch(
     wg = w.global_scale.reshape(-1).float().contiguous() if w.global_scale is not None else None
     dummy = target
     grid = (rows.num_m_blocks * cdiv(n if p is None else n_w, cfg.block_n), cfg.split_k)
+    cat = dot_cat(cfg, w)
     launch(_w4_gemm_kernel, grid,
         a, w.bytes_u8(), _u8(w.scale), dummy if w.zero is None else w.zero, dummy if wg is None else wg,
         dummy if perm is None else perm, dummy if bias is None else bias,
@@ -235,7 +236,7 @@ def w4_gemm_launch(
         *(perm.stride() if perm is not None else (0, 0)), *(bias.stride() if bias is not None else (0, 0)),
         *rw_str, *t_str,
         BATCHED=rows.batched, PAIR_BLOCKS=rows.pair_blocks, W_FMT=w.w_fmt, GROUP=w.group_size, PK=w.pack_block,
-        RUNS=dot_runs(cfg, w),
+        RUNS=cfg.block_k // w.pack_block if cat else dot_runs(cfg, w), CAT=cat,
         ACT_ORDER=perm is not None, HAS_ZERO=w.zero is not None, HAS_W_GSCALE=wg is not None,
         HAS_BIAS=bias is not None, MUL_ROUTED_WEIGHT=rw_in_gemm, DOT_DTYPE=_dot_dtype(a),
         ACT="none" if act is None or p is not None else act.activation.value,
@@ -252,6 +253,20 @@ def w4_gemm_launch(
     if p is not None and reduce:
         _reduce(p, c, act, oq, c_scale, None if rw_in_gemm else rw, rw_str, rows, n)
     return p
+
+
+def dot_cat(cfg: LaunchConfig, w: W4Tensor) -> bool:
+    """Whether a W-major ("swap") tile makes one dot per K step, its 64-column pack blocks
+    unpacked and concatenated in K order, instead of a K = 32 dot per half block: chained inside
+    the step, those register-A wgmma are waited for one by one (sm_90 SASS: a wait to zero after
+    each), while a step's single dot is split by Triton into K = 16 wgmma left in flight. Only
+    at BM 32 (H200, MXFP4, the layer, same tables; PERF_LOG, eighth session): gpt-oss T = 64
+    425 -> 323 us and T = 256 609 -> 497 (GEMM1's BM 32 x 128 tile, N 5760, K 2880), the other BM
+    32 cells within 1%; at BM 64 one cell gained (gpt-oss GEMM2) and Qwen3's and DeepSeek-V3's
+    GEMM2 lost ~3%; at BM 128-256 the whole unpack comes before the dot and its registers stay
+    held while it runs (Mixtral T = 4096 7.98 -> 8.40 ms); BM 16 already pairs blocks (``dot_runs``)."""
+    small_swap = _mode(cfg) == "swap" and w.half_block < 64 and cfg.block_m == 32
+    return small_swap and cfg.block_k % w.pack_block == 0 and cfg.block_k // w.pack_block in (1, 2, 4)
 
 
 def dot_runs(cfg: LaunchConfig, w: W4Tensor) -> int:
