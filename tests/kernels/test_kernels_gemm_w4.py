@@ -464,6 +464,15 @@ def test_w4_gemm(case):
 
 
 @needs_triton
+@pytest.mark.parametrize("scheme", ["mxfp4", "nvfp4"])
+def test_w4_gemm_one_dot_of_four_blocks(scheme):
+    """BK 256 at BM 32 W-major: four 64-column blocks in one dot (``dot_cat``), K 192 ending inside
+    the step's third block (blocks three and four masked)."""
+    config = LaunchConfig(32, 64, 256, 2, 4, 2, 1, 1)
+    run_case(Case(scheme, "cat", act=Activation.SILU, edge=EDGES[4]), config=gated_act_config(config))
+
+
+@needs_triton
 def test_w4_gemm_bf16_output():
     """C in the model dtype: one rounding at the store, on the reduce path too (split 2)."""
     run_case(Case("int4_g128", "swap", act=Activation.SILU, split=2, edge=EDGES[0]), out_dtype=torch.bfloat16)

@@ -326,17 +326,16 @@ def _w4_tile_mac(
     """acc + the RUNS pack blocks at ``kb`` of W rows ``cols`` times A: two dots (A's low and high
     halves), or under CAT one dot of the blocks in K order (``a_lo`` is then A's whole step)."""
     if CAT:  # each block unpacked with its own [R, 1] scales, then concatenated
-        w = _w4_block(w_base, ws_base, wz_base, cols, ok, kb, stride_wn, stride_wk, stride_wsn, stride_wsk,
-                      W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, R, OP, PK, KP)  # fmt: skip
-        if RUNS >= 2:
-            w = _cat_k(w, _w4_block(w_base, ws_base, wz_base, cols, ok, kb + PK, stride_wn, stride_wk, stride_wsn,
-                                    stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, R, OP, PK, KP))  # fmt: skip
-        if RUNS == 4:
-            w_2 = _w4_block(w_base, ws_base, wz_base, cols, ok, kb + 2 * PK, stride_wn, stride_wk, stride_wsn,
-                            stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, R, OP, PK, KP)  # fmt: skip
-            w_3 = _w4_block(w_base, ws_base, wz_base, cols, ok, kb + 3 * PK, stride_wn, stride_wk, stride_wsn,
-                            stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, R, OP, PK, KP)  # fmt: skip
-            w = _cat_k(w, _cat_k(w_2, w_3))
+        if RUNS == 1:
+            w = _w4_block(w_base, ws_base, wz_base, cols, ok, kb, stride_wn, stride_wk, stride_wsn, stride_wsk,
+                          W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, R, OP, PK, KP)  # fmt: skip
+        else:
+            w = _w4_block_pair(w_base, ws_base, wz_base, cols, ok, kb, stride_wn, stride_wk, stride_wsn, stride_wsk,
+                               W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, R, OP, PK, KP)  # fmt: skip
+            if RUNS == 4:
+                w = _cat_k(w, _w4_block_pair(w_base, ws_base, wz_base, cols, ok, kb + 2 * PK, stride_wn, stride_wk,
+                                             stride_wsn, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, R, OP,
+                                             PK, KP))  # fmt: skip
         acc = _w4_mac(acc, w, a_lo, MODE, IEEE)
     else:
         w_lo, w_hi = _w4_tiles(
@@ -354,6 +353,21 @@ def _cat_k(x, y):
     R: tl.constexpr = x.shape[0]
     C: tl.constexpr = x.shape[1]
     return tl.reshape(tl.permute(tl.join(x, y), (0, 2, 1)), [R, 2 * C])
+
+
+@triton.jit
+def _w4_block_pair(
+    w_base, ws_base, wz_base, cols, ok, kb, stride_wn, stride_wk, stride_wsn, stride_wsk,
+    W_FMT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, HAS_ZERO: tl.constexpr, FAST: tl.constexpr,
+    SPLIT: tl.constexpr, R: tl.constexpr, OP: tl.constexpr, PK: tl.constexpr, KP,
+):  # fmt: skip
+    """The [R, 2 PK] tile of the pack blocks at ``kb`` and ``kb + PK`` in K order (``_w4_block``)."""
+    return _cat_k(
+        _w4_block(w_base, ws_base, wz_base, cols, ok, kb, stride_wn, stride_wk, stride_wsn, stride_wsk,
+                  W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, R, OP, PK, KP),
+        _w4_block(w_base, ws_base, wz_base, cols, ok, kb + PK, stride_wn, stride_wk, stride_wsn, stride_wsk,
+                  W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, R, OP, PK, KP),
+    )  # fmt: skip
 
 
 @triton.jit

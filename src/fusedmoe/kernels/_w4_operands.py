@@ -34,10 +34,12 @@ def _w4_group(
     if HALF <= GROUP and RUNS == 1:
         if RAW:  # "fma1": kh >= 0 divided as unsigned, a shift with no sign fix-ups (~3 SASS a load)
             g = tl.cast(tl.cast(kh, tl.uint32) // GROUP, tl.int32)
-            s = tl.load(ws_rows + g * stride_wsk, mask=ok, other=0)[:, None]
         else:
             g = kh // GROUP
-            s = _decode_scale(tl.load(ws_rows + g * stride_wsk, mask=ok, other=0), W_FMT)[:, None]
+        s = tl.load(ws_rows + g * stride_wsk, mask=ok, other=0)
+        if not RAW:
+            s = _decode_scale(s, W_FMT)
+        s = s[:, None]
         if HAS_ZERO:
             z = tl.load(wz_rows + g * stride_wsk, mask=ok, other=0).to(tl.float32)[:, None]
     else:

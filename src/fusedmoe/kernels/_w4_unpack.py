@@ -173,11 +173,10 @@ def e2m1_word_f32(word, s_lo, s_hi, SPLIT: tl.constexpr):
     """The eight fp32 weights of an int32 tile of e2m1 words (four bytes of one W row each):
     (low nibbles of bytes 0..3, high nibbles of bytes 0..3), times the scales (exact). s_lo,
     s_hi: the bf16 scale of each word's low and high half as an int32 pair (s, s), times 2^126
-    unless SPLIT (as ``w4_unpack``). The FMA
-    path's weights: whole words arrive as the registers they were loaded in. With bytes (two
-    an instance), the loop-carried byte tiles were split into a register per byte and
-    re-packed around every instance, ~5 of the ~9.7 SASS instructions per weight of the
-    Mixtral-sized K loop (sm_90 build)."""
+    unless SPLIT (as ``w4_unpack``). The FMA path's weights: whole words arrive as the registers
+    they were loaded in. With bytes (two an instance), the loop-carried byte tiles were split
+    into a register per byte and re-packed around every instance, ~5 of the ~9.7 SASS
+    instructions per weight of the Mixtral-sized K loop (sm_90 build)."""
     if SPLIT:
         return tl.inline_asm_elementwise(_E2M1_F32, _C_E2M1_F32, [word, s_lo, s_hi], (tl.float32,) * 8, True, 1)
     else:
