@@ -121,21 +121,40 @@ def variants(gemm: str, rows: float, dflt: LaunchConfig, w_fmt: str) -> list[tup
     return out
 
 
-def _portable(fn):
-    """``fn`` launching with ``FUSEDMOE_W4_PTX=0`` (read at launch: graph capture records it)."""
+def _with_env(fn, env: dict[str, str]):
+    """``fn`` launching with the variables ``env`` set (the w4 launch reads them when it launches:
+    graph capture records what they chose), restored after."""
 
     def run():
-        old = os.environ.get("FUSEDMOE_W4_PTX")
-        os.environ["FUSEDMOE_W4_PTX"] = "0"
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
         try:
             fn()
         finally:
-            if old is None:
-                del os.environ["FUSEDMOE_W4_PTX"]
-            else:
-                os.environ["FUSEDMOE_W4_PTX"] = old
+            for k, v in old.items():
+                if v is None:
+                    del os.environ[k]
+                else:
+                    os.environ[k] = v
 
     return run
+
+
+def parse_variants(text: str) -> list[tuple[str, LaunchConfig | dict, dict[str, str]]]:
+    """``--variants``: ``name=BM,BN,BK,GM,W,S,SK,WM[+VAR=V...]`` entries separated by ``;``;
+    ``default[:field=v...]`` in place of the numbers is the cell's default config with those
+    LaunchConfig fields replaced (a dict of them)."""
+    out = []
+    for item in filter(None, (x.strip() for x in text.split(";"))):
+        name, spec = item.split("=", 1)
+        cfg_text, *envs = spec.split("+")
+        if cfg_text.startswith("default"):
+            cfg = {k: int(v) for k, v in (f.split("=") for f in cfg_text.split(":")[1:])}
+        else:
+            bm, bn, bk, gm, nw, ns, sk, wm = (int(v) for v in cfg_text.split(","))
+            cfg = replace(LaunchConfig(bm, bn, bk, gm, nw, ns), split_k=sk, w_major=wm)
+        out.append((name, cfg, dict(e.split("=", 1) for e in envs)))
+    return out
 
 
 class Weights:
@@ -278,7 +297,15 @@ def measure(fn, timer, selftest: bool) -> float | None:
     return ms * 1e3
 
 
-def bench_cell(cell: Cell, preset: str, timer, selftest: bool, failures: list[str]) -> list[Result]:
+def bench_cell(
+    cell: Cell,
+    preset: str,
+    timer,
+    selftest: bool,
+    failures: list[str],
+    custom: list | None = None,
+    skip_old: bool = False,
+) -> list[Result]:
     """Time the old kernel and the w4 variants of one cell; check each against the reference."""
     res: list[Result] = []
     dev, t, k = cell.dev, cell.t, cell.k
@@ -291,19 +318,24 @@ def bench_cell(cell: Cell, preset: str, timer, selftest: bool, failures: list[st
     dflt = w4_launch_config(t * k, cell.e, cell.n_w, cell.kd, cell.w4, gated=gated)
     if gated:
         dflt = gated_act_config(dflt)
-    jobs = [("old", cell.old_config(), None, False, False)]
-    for n, c, alt, portable in variants(cell.gemm, rows, dflt, cell.w4.w_fmt):
-        c = fit_w4_config(c, cell.w4_alt if alt else cell.w4)
-        jobs.append((f"new:{n}", c, c, alt, portable))
+    jobs = [] if skip_old else [("old", cell.old_config(), None, False, {})]
+    if custom:
+        for n, c, env in custom:
+            c = fit_w4_config(replace(dflt, **c) if isinstance(c, dict) else c, cell.w4)
+            jobs.append((f"new:{n}", c, c, False, env))
+    else:
+        for n, c, alt, portable in variants(cell.gemm, rows, dflt, cell.w4.w_fmt):
+            c = fit_w4_config(c, cell.w4_alt if alt else cell.w4)
+            jobs.append((f"new:{n}", c, c, alt, {"FUSEDMOE_W4_PTX": "0"} if portable else {}))
     base_us = None
-    for name, cfg, new_cfg, alt, portable in jobs:
+    for name, cfg, new_cfg, alt, env in jobs:
         tag = f"{preset} {cell.scheme.name} {cell.gemm} T={t} {name} [{cfg_str(cfg)}]"
         try:
             partials = None
             if new_cfg is not None and new_cfg.split_k > 1:
                 partials = torch.empty(new_cfg.split_k * t * k * cell.n_w, dtype=torch.float32, device=dev)
             fn = cell.run_old(out, y_sum) if new_cfg is None else cell.run_new(new_cfg, out, y_sum, partials, alt)
-            fn = _portable(fn) if portable else fn
+            fn = _with_env(fn, env) if env else fn
             out.fill_(float("nan"))
             seen = _compiled()
             fn()
@@ -403,6 +435,9 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated presets to keep (debugging)")
     ap.add_argument("--schemes", default="", help="comma-separated schemes to keep")
     ap.add_argument("--tokens", default="", help="comma-separated token counts to keep")
+    ap.add_argument("--variants", default="", help="w4 configs to time instead of the built-in ones (parse_variants)")
+    ap.add_argument("--skip-old", action="store_true", help="do not time the reference kernel")
+    ap.add_argument("--gemms", default="gemm1,gemm2", help="comma-separated GEMMs to run")
     args = ap.parse_args()
     selftest = args.selftest
     dev = "cpu" if selftest else "cuda"
@@ -437,9 +472,10 @@ def main() -> None:
     if args.tokens:
         keep = {int(t) for t in args.tokens.split(",")}
         cells = [(p, s, tuple(t for t in ts if t in keep)) for p, s, ts in cells if keep & set(ts)]
+    custom = parse_variants(args.variants)
     for preset, sname, tokens in cells:
         scheme = QuantScheme.by_name(sname)
-        for gemm in ("gemm1", "gemm2"):
+        for gemm in args.gemms.split(","):
             if time.time() - start > budget:
                 failures.append(f"budget: {preset} {sname} {gemm} T={tokens} not run ({budget:.0f} s spent)")
                 continue
@@ -452,7 +488,8 @@ def main() -> None:
                 if time.time() - start > budget:
                     failures.append(f"budget: {preset} {sname} {gemm} T={t} not run")
                     continue
-                results += bench_cell(Cell(wts, t, dev, gen), preset, timer, selftest, failures)
+                cell = Cell(wts, t, dev, gen)
+                results += bench_cell(cell, preset, timer, selftest, failures, custom, args.skip_old)
             del wts
             if not selftest:
                 torch.cuda.empty_cache()

@@ -267,6 +267,22 @@ def test_dot_cat_one_dot_per_k_step_at_bm_32():
     assert not dot_cat(LaunchConfig(32, 128, 512, 1, 4, 3, w_major=1), mx)  # 8 blocks a step
 
 
+def test_even_columns_drops_w_masks_only_on_e2m1_tensor_tiles():
+    """W's column masks go (EVEN_N) where BLOCK_N divides the columns, on the tensor-core tiles of
+    MXFP4 and NVFP4; int4 and the FMA path keep them (measured slower without: ``even_columns``)."""
+    from fusedmoe.kernels.grouped_gemm_w4 import even_columns
+
+    def w4(name):
+        return to_w4(_quantized(SCHEMES[name], 1, 16, 256), SCHEMES[name].w1)
+
+    mx, nv, g128 = w4("mxfp4"), w4("nvfp4"), w4("int4_g128")
+    tiles = [LaunchConfig(bm, 64, 128, 1, 4, 3, w_major=wm) for bm, wm in ((16, 0), (32, 1), (128, 1))]
+    assert all(even_columns(c, w, 2880) for c in tiles for w in (mx, nv))  # 2880 = 45 x 64
+    assert not any(even_columns(c, w, 2880 + 32) for c in tiles for w in (mx, nv))
+    assert not any(even_columns(c, g128, 4096) for c in tiles)
+    assert not even_columns(LaunchConfig(1, 64, 128, 1, 4, 4, w_major=1), mx, 4096)
+
+
 @pytest.mark.parametrize(
     ("scheme", "top_code", "one_mul"),
     [("mxfp4", 128, True), ("mxfp4", 129, False), ("mxfp4", 254, False), ("nvfp4", 0x40, True), ("nvfp4", 0x41, False)],
@@ -542,6 +558,29 @@ def test_kbench_script_selftest(tmp_path):
     assert run_.returncode == 0, (run_.stdout + run_.stderr)[-3000:]
     assert ", 0 over tolerance, 0 failures" in run_.stdout, run_.stdout[-3000:]
     assert (tmp_path / "kbench_w4.json").exists()
+
+
+def test_kbench_variants_parse():
+    """``scripts/kbench_w4.py --variants``: explicit configs, the cell's default with fields
+    replaced, and environment variables set around the launch."""
+    import importlib.util
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("kbench_w4", root / "scripts" / "kbench_w4.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["kbench_w4"] = mod  # its dataclasses look their module up there
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        del sys.modules["kbench_w4"]
+    got = mod.parse_variants("a=128,64,128,8,4,3,2,1; b=default:block_k=64+X=1+Y=z;c=default")
+    assert [n for n, _, _ in got] == ["a", "b", "c"]
+    assert got[0][1] == LaunchConfig(128, 64, 128, 8, 4, 3, split_k=2, w_major=1) and got[0][2] == {}
+    assert got[1][1:] == ({"block_k": 64}, {"X": "1", "Y": "z"}) and got[2][1:] == ({}, {})
+    seen = {}
+    run = mod._with_env(lambda: seen.update(x=os.environ.get("KBENCH_TEST_VAR")), {"KBENCH_TEST_VAR": "on"})
+    run()
+    assert seen == {"x": "on"} and "KBENCH_TEST_VAR" not in os.environ
 
 
 # ---- real shapes (GPU) --------------------------------------------------------------------------

@@ -124,15 +124,22 @@ def _w4_rows(
 
 
 @triton.jit
-def _w4_cols(pid_n, N, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Output columns of block ``pid_n`` and the W rows (gate, up) that feed them."""
+def _w4_cols(
+    pid_n, N, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr = False
+):  # fmt: skip
+    """Output columns of block ``pid_n``, which are in range, and the W rows (gate, up) that feed
+    them. EVEN_N (BLOCK_N divides N): all of them, a constant, so W's byte and scale loads carry
+    no mask."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    if EVEN_N:
+        n_ok = tl.full([BLOCK_N], True, tl.int1)
     if GATED and INTERLEAVED:
-        return offs_n, offs_n < N, 2 * offs_n, 2 * offs_n + 1
+        return offs_n, n_ok, 2 * offs_n, 2 * offs_n + 1
     elif GATED:
-        return offs_n, offs_n < N, offs_n, offs_n + N
+        return offs_n, n_ok, offs_n, offs_n + N
     else:
-        return offs_n, offs_n < N, offs_n, offs_n
+        return offs_n, n_ok, offs_n, offs_n
 
 
 @triton.jit
@@ -273,6 +280,15 @@ def _w4_word_mac(
 
 
 @triton.jit
+def _w4_step_scales(ws_base, wz_base, k0, stride_wsk, GROUP: tl.constexpr):
+    """Scale and zero-point pointers advanced to the first group of the K step at ``k0`` (>= 0, a
+    multiple of the step and so of GROUP): the step's tiles then index their groups by constants,
+    one address a row for all of them instead of a division and an address a load."""
+    g = tl.cast(tl.cast(k0, tl.uint32) // GROUP, tl.int32)  # unsigned: a shift, no sign fix-ups
+    return ws_base + g * stride_wsk, wz_base + g * stride_wsk
+
+
+@triton.jit
 def _w4_mac(acc, w, a, MODE: tl.constexpr, IEEE: tl.constexpr):
     """acc + the product of a dequantized W half [BN, h] and an A half [BM, h] (module docstring)."""
     if MODE == "swap":
@@ -292,26 +308,28 @@ def _w4_tiles(
     w_base, ws_base, wz_base, cols, ok, kb, stride_wn, stride_wk, stride_wsn, stride_wsk,
     W_FMT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, HAS_ZERO: tl.constexpr, FAST: tl.constexpr,
     SPLIT: tl.constexpr, R: tl.constexpr, OP: tl.constexpr, RUNS: tl.constexpr, PK: tl.constexpr, KP,
+    KS: tl.constexpr, kps,
 ):  # fmt: skip
     """The dequantized W tiles [R, RUNS * HALF] in OP (low half, high half) of the RUNS pack blocks
     at ``kb``: FAST, paired 16-bit math in PTX (``_w4_unpack``); else one fp32 FMA per weight
-    and a cast."""
+    and a cast. Scales and zero points: ``ws_base`` and ``wz_base`` start at the K step's first
+    group, where ``kb`` is column KS and KP column ``kps`` (``_w4_step_scales``)."""
     byte = _w4_bytes(w_base, cols, ok, kb, stride_wn, stride_wk, HALF, RUNS, PK, KP)
     if FAST:
         ws_rows = ws_base + cols * stride_wsn
         wz_rows = wz_base + cols * stride_wsn
         m_lo, s_lo, t_lo = _w4_unpack_args(
-            ws_rows, wz_rows, ok, kb, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, SPLIT, R, OP, RUNS, PK, KP
+            ws_rows, wz_rows, ok, KS, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, SPLIT, R, OP, RUNS, PK, kps
         )
         m_hi, s_hi, t_hi = m_lo, s_lo, t_lo
         if 2 * HALF > GROUP:  # the halves lie in different groups
             m_hi, s_hi, t_hi = _w4_unpack_args(
-                ws_rows, wz_rows, ok, kb + HALF, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, SPLIT, R, OP, RUNS, PK, KP
+                ws_rows, wz_rows, ok, KS + HALF, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, SPLIT, R, OP, RUNS, PK, kps
             )
         return w4_unpack(byte, m_lo, m_hi, s_lo, s_hi, t_lo, t_hi, W_FMT, OP, SPLIT)
     else:
         v_lo, s_lo, b_lo, v_hi, s_hi, b_hi = _w4_decode(
-            byte, ws_base, wz_base, cols, ok, kb, stride_wsn, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, R, RUNS, PK, KP
+            byte, ws_base, wz_base, cols, ok, KS, stride_wsn, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, R, RUNS, PK, kps
         )
         return (v_lo * s_lo + b_lo).to(OP), (v_hi * s_hi + b_hi).to(OP)
 
@@ -321,26 +339,27 @@ def _w4_tile_mac(
     acc, a_lo, a_hi, w_base, ws_base, wz_base, cols, ok, kb, stride_wn, stride_wk, stride_wsn, stride_wsk,
     W_FMT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, HAS_ZERO: tl.constexpr, FAST: tl.constexpr,
     SPLIT: tl.constexpr, MODE: tl.constexpr, IEEE: tl.constexpr, R: tl.constexpr, OP: tl.constexpr,
-    RUNS: tl.constexpr, PK: tl.constexpr, KP, CAT: tl.constexpr = False,
+    RUNS: tl.constexpr, PK: tl.constexpr, KP, KS: tl.constexpr, kps, CAT: tl.constexpr = False,
 ):  # fmt: skip
-    """acc + the RUNS pack blocks at ``kb`` of W rows ``cols`` times A: two dots (A's low and high
-    halves), or under CAT one dot of the blocks in K order (``a_lo`` is then A's whole step)."""
+    """acc + the RUNS pack blocks at ``kb`` (column KS of the K step: ``_w4_tiles``) of W rows
+    ``cols`` times A: two dots (A's low and high halves), or under CAT one dot of the blocks in K
+    order (``a_lo`` is then A's whole step)."""
     if CAT:  # each block unpacked with its own [R, 1] scales, then concatenated
         if RUNS == 1:
             w = _w4_block(w_base, ws_base, wz_base, cols, ok, kb, stride_wn, stride_wk, stride_wsn, stride_wsk,
-                          W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, R, OP, PK, KP)  # fmt: skip
+                          W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, R, OP, PK, KP, KS, kps)  # fmt: skip
         else:
             w = _w4_block_pair(w_base, ws_base, wz_base, cols, ok, kb, stride_wn, stride_wk, stride_wsn, stride_wsk,
-                               W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, R, OP, PK, KP)  # fmt: skip
+                               W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, R, OP, PK, KP, KS, kps)  # fmt: skip
             if RUNS == 4:
                 w = _cat_k(w, _w4_block_pair(w_base, ws_base, wz_base, cols, ok, kb + 2 * PK, stride_wn, stride_wk,
                                              stride_wsn, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, R, OP,
-                                             PK, KP))  # fmt: skip
+                                             PK, KP, KS + 2 * PK, kps))  # fmt: skip
         acc = _w4_mac(acc, w, a_lo, MODE, IEEE)
     else:
         w_lo, w_hi = _w4_tiles(
             w_base, ws_base, wz_base, cols, ok, kb, stride_wn, stride_wk, stride_wsn, stride_wsk,
-            W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, R, OP, RUNS, PK, KP,
+            W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, R, OP, RUNS, PK, KP, KS, kps,
         )  # fmt: skip
         acc = _w4_mac(acc, w_lo, a_lo, MODE, IEEE)
         acc = _w4_mac(acc, w_hi, a_hi, MODE, IEEE)
@@ -359,14 +378,14 @@ def _cat_k(x, y):
 def _w4_block_pair(
     w_base, ws_base, wz_base, cols, ok, kb, stride_wn, stride_wk, stride_wsn, stride_wsk,
     W_FMT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, HAS_ZERO: tl.constexpr, FAST: tl.constexpr,
-    SPLIT: tl.constexpr, R: tl.constexpr, OP: tl.constexpr, PK: tl.constexpr, KP,
+    SPLIT: tl.constexpr, R: tl.constexpr, OP: tl.constexpr, PK: tl.constexpr, KP, KS: tl.constexpr, kps,
 ):  # fmt: skip
     """The [R, 2 PK] tile of the pack blocks at ``kb`` and ``kb + PK`` in K order (``_w4_block``)."""
     return _cat_k(
         _w4_block(w_base, ws_base, wz_base, cols, ok, kb, stride_wn, stride_wk, stride_wsn, stride_wsk,
-                  W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, R, OP, PK, KP),
+                  W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, R, OP, PK, KP, KS, kps),
         _w4_block(w_base, ws_base, wz_base, cols, ok, kb + PK, stride_wn, stride_wk, stride_wsn, stride_wsk,
-                  W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, R, OP, PK, KP),
+                  W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, R, OP, PK, KP, KS + PK, kps),
     )  # fmt: skip
 
 
@@ -374,13 +393,14 @@ def _w4_block_pair(
 def _w4_block(
     w_base, ws_base, wz_base, cols, ok, kb, stride_wn, stride_wk, stride_wsn, stride_wsk,
     W_FMT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, HAS_ZERO: tl.constexpr, FAST: tl.constexpr,
-    SPLIT: tl.constexpr, R: tl.constexpr, OP: tl.constexpr, PK: tl.constexpr, KP,
+    SPLIT: tl.constexpr, R: tl.constexpr, OP: tl.constexpr, PK: tl.constexpr, KP, KS: tl.constexpr, kps,
 ):  # fmt: skip
-    """The dequantized [R, PK] tile of the pack block at ``kb``, columns in K order (its low half,
-    then its high half); a block at or past KP is zeros (bytes and scales masked)."""
+    """The dequantized [R, PK] tile of the pack block at ``kb`` (column KS of the K step), columns
+    in K order (its low half, then its high half); a block at or past KP is zeros (bytes and
+    scales masked)."""
     lo, hi = _w4_tiles(
         w_base, ws_base, wz_base, cols, ok & (kb < KP), kb, stride_wn, stride_wk, stride_wsn, stride_wsk,
-        W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, R, OP, 1, PK, KP,
+        W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, R, OP, 1, PK, KP, KS, kps,
     )  # fmt: skip
     return _cat_k(lo, hi)
 
@@ -392,7 +412,7 @@ def _w4_dot_step(
     W_FMT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, ACT_ORDER: tl.constexpr, HAS_ZERO: tl.constexpr,
     GATED: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr, IEEE: tl.constexpr, OP: tl.constexpr,
     FAST: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, RUNS: tl.constexpr, PK: tl.constexpr,
-    CAT: tl.constexpr = False,
+    KS: tl.constexpr, kps, CAT: tl.constexpr = False,
 ):  # fmt: skip
     """RUNS pack blocks on the tensor cores: two dots (A's low and high halves) per row set, each
     over the RUNS blocks' halves (K = RUNS * HALF: 32-column halves make K = 32 dots, which
@@ -417,12 +437,12 @@ def _w4_dot_step(
         )
     acc = _w4_tile_mac(
         acc, a_lo, a_hi, w_base, ws_base, wz_base, g_cols, ok, kb, stride_wn, stride_wk, stride_wsn, stride_wsk,
-        W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, MODE, IEEE, BLOCK_N, OP, RUNS, PK, KP, CAT,
+        W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, MODE, IEEE, BLOCK_N, OP, RUNS, PK, KP, KS, kps, CAT,
     )  # fmt: skip
     if GATED:
         acc_u = _w4_tile_mac(
             acc_u, a_lo, a_hi, w_base, ws_base, wz_base, u_cols, ok, kb, stride_wn, stride_wk, stride_wsn, stride_wsk,
-            W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, MODE, IEEE, BLOCK_N, OP, RUNS, PK, KP, CAT,
+            W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, MODE, IEEE, BLOCK_N, OP, RUNS, PK, KP, KS, kps, CAT,
         )  # fmt: skip
     return acc, acc_u
 
@@ -490,6 +510,7 @@ def _w4_gemm_kernel(
     SPLIT_SCALE: tl.constexpr,
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # KD == KP and every split is whole BLOCK_K steps: no K masks
+    EVEN_N: tl.constexpr,  # BLOCK_N divides N: no column masks on W's loads
     A_SLOT: tl.constexpr,  # A has a row per aligned slot (act-order A permuted beforehand)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -506,7 +527,7 @@ def _w4_gemm_kernel(
     )  # fmt: skip
     if idle:
         return
-    offs_n, n_ok, g_cols, u_cols = _w4_cols(pid_n, N, GATED, INTERLEAVED, BLOCK_N)
+    offs_n, n_ok, g_cols, u_cols = _w4_cols(pid_n, N, GATED, INTERLEAVED, BLOCK_N, EVEN_N)
     HALF: tl.constexpr = PK // 2
     FMA: tl.constexpr = MODE == "fma" or MODE == "fma1"
     OP: tl.constexpr = tl.float32 if FMA else DOT_DTYPE
@@ -576,13 +597,14 @@ def _w4_gemm_kernel(
         if MODE == "swap":
             tl.assume(k_hi > k_lo)
         for k0 in range(k_lo, k_hi, BLOCK_K):
+            ws_k, wz_k = _w4_step_scales(ws_base, wz_base, k0, stride_wsk, GROUP)
             for j in tl.static_range(BLOCK_K // (RUNS * PK)):
                 kb = k0 + j * RUNS * PK
                 acc, acc_u = _w4_dot_step(
-                    acc, acc_u, a_row_ptr, row_ok, perm_base, w_base, ws_base, wz_base, g_cols, u_cols, n_ok, kb,
+                    acc, acc_u, a_row_ptr, row_ok, perm_base, w_base, ws_k, wz_k, g_cols, u_cols, n_ok, kb,
                     KD, KP, stride_ak, stride_pk, stride_wn, stride_wk, stride_wsn, stride_wsk,
                     W_FMT, GROUP, HALF, ACT_ORDER, HAS_ZERO, GATED, EVEN_K, MODE, IEEE, OP, FAST, SPLIT_SCALE,
-                    BLOCK_N, RUNS, PK, CAT,
+                    BLOCK_N, RUNS, PK, j * RUNS * PK, KP - k0, CAT,
                 )  # fmt: skip
 
     # ---- back to [BM, BN]; global scale; bias (split 0 only)

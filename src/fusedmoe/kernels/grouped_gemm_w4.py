@@ -246,6 +246,7 @@ def w4_gemm_launch(
         MODE=_mode(cfg), FAST=fast_unpack(cfg, w, a.dtype),
         SPLIT_SCALE=w.scale.dtype != a.dtype if w.w_fmt == "int4" else not w.e2m1_one_mul,
         SPLIT_K=cfg.split_k, EVEN_K=kd == w.k_padded and w.k_padded % cfg.block_k == 0,
+        EVEN_N=even_columns(cfg, w, n if p is None else n_w),
         A_SLOT=permuted and not rows.batched, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -279,6 +280,17 @@ def dot_runs(cfg: LaunchConfig, w: W4Tensor) -> int:
     if cfg.block_m != 16 or w.half_block >= 64 or w.half_block < w.group_size:
         return 1
     return 2 if cfg.block_k % (2 * w.pack_block) == 0 else 1
+
+
+def even_columns(cfg: LaunchConfig, w: W4Tensor, n: int) -> bool:
+    """Whether the kernel drops W's column masks (EVEN_N): BLOCK_N divides the ``n`` columns it
+    walks, on the tensor-core tiles of the e2m1 formats. H200, the layer, same tables, against
+    the masked loads in one call (PERF_LOG, ninth session): MXFP4 and NVFP4 at T >= 16
+    0.97-1.06x, geometric mean 1.007x, the prefill tiles gaining (Mixtral MXFP4 T = 4096 7.93 ->
+    7.75 ms, in both calls that ran it) and gpt-oss MXFP4 T = 1024 losing (946 -> 973 us); int4
+    g128 lost up to 10% with it (Mixtral T = 16, BM 16: 0.354 -> 0.390 ms) and the FMA path ~9%
+    (NVFP4 T = 1: Qwen3 38 -> 42 us), so they keep the masks."""
+    return cfg.block_m >= 16 and w.w_fmt != "int4" and n % cfg.block_n == 0
 
 
 def fast_unpack(cfg: LaunchConfig, w: W4Tensor, dtype: torch.dtype) -> bool:
