@@ -74,11 +74,13 @@ def int4_ptx(dtype: str, split: bool) -> str:
 
 def _e2m1_place(t: str, lo: str, hi: str) -> list[str]:
     """Bit placement of the two bytes in the high bytes of ``t``'s 16-bit lanes (bits 8..15 and
-    24..31; the other bits are masked out, so they may hold anything): ``lo`` gets the low
-    nibbles and ``hi`` the high ones as bf16 pairs of value * 2^-126."""
+    24..31; the low bytes must be zero): ``lo`` gets the low nibbles and ``hi`` the high ones as
+    bf16 pairs of value * 2^-126."""
     return [
-        # low nibble at lane bits 8..11: sign 11 -> 15, magnitude 8..10 -> 6..8
-        f"shl.b32 b, {t}, 4; shr.u32 a, {t}, 2; and.b32 a, a, 0x01C001C0; lop3.b32 {lo}, b, 0x80008000, a, 0xEA;",
+        # low nibble at lane bits 8..11: sign 11 -> 15 (t << 4), magnitude 8..10 -> 6..8 (t >> 2).
+        # t's zero low bytes put zeros where the other shift's bits go (t << 4 at 6..8, t >> 2 at
+        # 15), so one lop3 (a | b) & mask merges and masks both: 7 instructions a byte pair, not 8
+        f"shl.b32 b, {t}, 4; shr.u32 a, {t}, 2; lop3.b32 {lo}, a, b, 0x81C081C0, 0xA8;",
         # high nibble at lane bits 12..15: the sign is in place, magnitude 12..14 -> 6..8
         f"shr.u32 a, {t}, 6; and.b32 a, a, 0x01C001C0; lop3.b32 {hi}, {t}, 0x80008000, a, 0xEA;",
     ]
