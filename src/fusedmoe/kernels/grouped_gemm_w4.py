@@ -246,9 +246,8 @@ def w4_gemm_launch(
         MODE=_mode(cfg), FAST=fast_unpack(cfg, w, a.dtype),
         SPLIT_SCALE=w.scale.dtype != a.dtype if w.w_fmt == "int4" else not w.e2m1_one_mul,
         SPLIT_K=cfg.split_k, EVEN_K=kd == w.k_padded and w.k_padded % cfg.block_k == 0,
-        EVEN_N=even_columns(cfg, w, n if p is None else n_w),
         A_SLOT=permuted and not rows.batched, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m,
+        GROUP_M=cfg.group_m, EVEN_N=even_columns(cfg, w, n if p is None else n_w),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if p is not None and reduce:
