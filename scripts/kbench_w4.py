@@ -19,7 +19,10 @@ Per cell (preset x scheme x GEMM x T): random weights quantized with ``fusedmoe.
 Every compile or run failure is caught and recorded (one line) and the run goes on. Writes
 ``kbench_w4.json`` and ``kbench_w4.md`` under DIR; the compact table is printed last.
 ``--selftest``: the whole script at a tiny shape on the CPU under the Triton interpreter
-(correctness only, no timing), to catch mistakes before a GPU run.
+(correctness only, no timing), to catch mistakes before a GPU run. ``--variants`` times named
+configs (``parse_variants``: explicit, or the cell's default with fields replaced, each with
+environment variables set around its launch) instead of the built-in ones; ``--skip-old`` leaves
+the reference kernel out and ``--gemms`` picks GEMMs: one device call then A/B-tests a lab switch.
 """
 
 from __future__ import annotations
@@ -146,14 +149,20 @@ def parse_variants(text: str) -> list[tuple[str, LaunchConfig | dict, dict[str, 
     LaunchConfig fields replaced (a dict of them)."""
     out = []
     for item in filter(None, (x.strip() for x in text.split(";"))):
-        name, spec = item.split("=", 1)
-        cfg_text, *envs = spec.split("+")
-        if cfg_text.startswith("default"):
-            cfg = {k: int(v) for k, v in (f.split("=") for f in cfg_text.split(":")[1:])}
-        else:
-            bm, bn, bk, gm, nw, ns, sk, wm = (int(v) for v in cfg_text.split(","))
-            cfg = replace(LaunchConfig(bm, bn, bk, gm, nw, ns), split_k=sk, w_major=wm)
-        out.append((name, cfg, dict(e.split("=", 1) for e in envs)))
+        try:
+            name, spec = item.split("=", 1)
+            cfg_text, *envs = spec.split("+")
+            if cfg_text.startswith("default"):
+                cfg = {k: int(v) for k, v in (f.split("=") for f in cfg_text.split(":")[1:])}
+                replace(LaunchConfig(16, 64, 128, 1, 4, 3), **cfg)  # unknown fields fail here
+            else:
+                bm, bn, bk, gm, nw, ns, sk, wm = (int(v) for v in cfg_text.split(","))
+                cfg = replace(LaunchConfig(bm, bn, bk, gm, nw, ns), split_k=sk, w_major=wm)
+            env = dict(e.split("=", 1) for e in envs)
+        except (ValueError, TypeError) as ex:
+            want = "NAME=BM,BN,BK,GM,W,S,SK,WM[+VAR=V...] or NAME=default[:field=v...][+VAR=V...]"
+            raise SystemExit(f"--variants: expected {want}, got {item!r} ({ex})") from None
+        out.append((name, cfg, env))
     return out
 
 

@@ -577,6 +577,9 @@ def test_kbench_variants_parse():
     assert [n for n, _, _ in got] == ["a", "b", "c"]
     assert got[0][1] == LaunchConfig(128, 64, 128, 8, 4, 3, split_k=2, w_major=1) and got[0][2] == {}
     assert got[1][1:] == ({"block_k": 64}, {"X": "1", "Y": "z"}) and got[2][1:] == ({}, {})
+    for bad in ("a=1,2,3", "b=default:bogus=1", "c"):
+        with pytest.raises(SystemExit, match="--variants: expected"):
+            mod.parse_variants(bad)
     seen = {}
     run = mod._with_env(lambda: seen.update(x=os.environ.get("KBENCH_TEST_VAR")), {"KBENCH_TEST_VAR": "on"})
     run()
