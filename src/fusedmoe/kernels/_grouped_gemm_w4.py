@@ -73,6 +73,7 @@ from ._w4_operands import (
     _w4_raw,
     _w4_unpack_args,
     _w4_unword,
+    udiv,
 )
 from ._w4_unpack import e2m1_word_f32, w4_unpack
 
@@ -284,7 +285,7 @@ def _w4_step_scales(ws_base, wz_base, k0, stride_wsk, GROUP: tl.constexpr):
     """Scale and zero-point pointers advanced to the first group of the K step at ``k0`` (>= 0, a
     multiple of the step and so of GROUP): the step's tiles then index their groups by constants,
     one address a row for all of them instead of a division and an address a load."""
-    g = tl.cast(tl.cast(k0, tl.uint32) // GROUP, tl.int32)  # unsigned: a shift, no sign fix-ups
+    g = udiv(k0, GROUP)
     return ws_base + g * stride_wsk, wz_base + g * stride_wsk
 
 

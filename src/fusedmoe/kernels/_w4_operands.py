@@ -23,8 +23,9 @@ def _w4_group(
     W_FMT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, HAS_ZERO: tl.constexpr, R: tl.constexpr,
     RUNS: tl.constexpr = 1, PK: tl.constexpr = 0, KP=0, PER: tl.constexpr = 1, RAW: tl.constexpr = False,
 ):  # fmt: skip
-    """(scale, zero) of the half block at column ``kh``, fp32 (RAW: the stored scale codes, not
-    decoded; ``_e2m1_bits``): [R, 1] when the half lies in one
+    """(scale, zero) of the half block at column ``kh``, counted from the group ``ws_rows`` and
+    ``wz_rows`` point at (the tensor-core tiles pass the step's own column: ``_w4_step_scales``),
+    fp32 (RAW: the stored scale codes, not decoded; ``_e2m1_bits``): [R, 1] when the half lies in one
     group, else [R, HALF / PER], each group loaded once a row and broadcast over its columns (PER
     1) or its words (PER 4, "fma1": a word's four columns share a group, groups being >= 16).
     zero: the stored zero point, 8 for symmetric int4 (codes are c - 8), 0 for e2m1 (unused).
@@ -32,8 +33,8 @@ def _w4_group(
     (columns kh + r * PK + c, c < HALF), runs at or past KP masked."""
     z = 8.0 if W_FMT == "int4" else 0.0
     if HALF <= GROUP and RUNS == 1:
-        if RAW:  # "fma1": kh >= 0 divided as unsigned, a shift with no sign fix-ups (~3 SASS a load)
-            g = tl.cast(tl.cast(kh, tl.uint32) // GROUP, tl.int32)
+        if RAW:  # "fma1": ~3 SASS a load fewer
+            g = udiv(kh, GROUP)
         else:
             g = kh // GROUP
         s = tl.load(ws_rows + g * stride_wsk, mask=ok, other=0)
@@ -59,6 +60,13 @@ def _w4_group(
             z = tl.load(wz_rows[:, None] + g[None, :] * stride_wsk, mask=m, other=0).to(tl.float32)
             z = tl.reshape(tl.broadcast_to(z[:, :, None], shape), [R, RUNS * HALF // PER])
     return s, z
+
+
+@triton.jit
+def udiv(x, D: tl.constexpr):
+    """x // D for x >= 0, divided as unsigned: a shift for a power of two, with none of the sign
+    fix-ups of a signed division."""
+    return tl.cast(tl.cast(x, tl.uint32) // D, tl.int32)
 
 
 @triton.jit

@@ -22,7 +22,7 @@ pairs, two 16-bit values per 32-bit register, and every float step is a paired `
   checkpoints seen). The products are exact (powers of two; e4m3 scales times e2m1 values
   need 6 of bf16's 8 significant bits), as in the fp32 path.
 
-~2 (int4), 2.5 (split scales) and 2.5-3 (e2m1) instructions per weight. Each output element
+~2 (int4), 2.5 (split scales) and 2.25-2.75 (e2m1: one or two multiplies) instructions per weight. Each output element
 depends only on the byte and scales of the same element, so the lanes Triton packs together
 do not matter. The interpreter cannot run PTX: it takes the portable path, and
 ``tests/kernels/ptx_model.py`` runs these exact instruction strings on the CPU against the
