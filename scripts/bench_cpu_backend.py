@@ -5,12 +5,15 @@
 The loop is the one transformers' MoE blocks ship (a one-hot mask, the experts hit, a gather, gate/up
 linear, SiLU x up, down linear times the router weight, ``index_add_``); both run on the same weights
 and routing. Shapes: the ``small`` preset and two small siblings of the shipped presets (Qwen3-30B-A3B's
-128 experts of top-8 and Mixtral's 8 wide experts, H cut to 512). Prints the mean time per call (us).
+128 experts of top-8 and Mixtral's 8 wide experts, H cut to 512). Prints the median over ``--rounds``
+rounds of the mean time per call (us), the two sides alternating round by round, so a load that comes
+and goes on a shared machine falls on both.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -38,18 +41,23 @@ def hf_loop(x, ids, tw, w13, w2, num_experts):
     return out
 
 
-def per_call_us(fn, calls: int) -> float:
-    for _ in range(2):
-        fn()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - t0) / calls * 1e6
+def per_call_us(fns: dict, calls: int, rounds: int) -> dict:
+    """The median over ``rounds`` of each function's mean time per call (us), alternating."""
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            fn()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[name].append((time.perf_counter() - t0) / calls * 1e6)
+    return {name: statistics.median(v) for name, v in times.items()}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", default="1,16,64,256")
+    ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -65,9 +73,13 @@ def main(argv=None) -> int:
             x = torch.randn(t, h).bfloat16()
             tw, ids = torch.randn(t, e).softmax(-1).topk(k)
             topk = TopK(ids.int(), tw)
-            calls = max(3, 200 // t)
-            ours = per_call_us(lambda: kernel(x, topk, weights), calls)  # noqa: B023
-            loop = per_call_us(lambda: hf_loop(x, ids, tw, w13, w2, e), calls)  # noqa: B023
+            calls = max(2, 40 // t)
+            fns = {
+                "ours": lambda: kernel(x, topk, weights),  # noqa: B023
+                "loop": lambda: hf_loop(x, ids, tw, w13, w2, e),  # noqa: B023
+            }
+            us = per_call_us(fns, calls, args.rounds)
+            ours, loop = us["ours"], us["loop"]
             lines.append(f"| {name} | {t} | {ours:.0f} | {loop:.0f} | {loop / ours:.2f} |")
             print(lines[-1], flush=True)
     if args.out:

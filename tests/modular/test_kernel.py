@@ -248,27 +248,58 @@ def test_router_weight_on_input_is_quantized_from_fp32(seed):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("upcast", [False, True], ids=["half_gemm", "fp32_gemm"])
+@pytest.mark.parametrize("upcast", ["half_gemm", "fp32_onednn", "fp32_mm"])
 def test_cpu_backend_fp32_gemms_match_the_half_precision_ones(dtype, upcast, monkeypatch):
-    """Experts with >= UPCAST_ROWS rows run their GEMMs in fp32 on a CPU without half-precision
-    GEMMs (``platform.cpu_has_half_gemm``): both ways agree with the float64 reference, and the
-    rounding of each GEMM's output is the same (the two agree far inside the tolerance)."""
+    """Experts with enough rows (``cpu.upcast``) run their GEMMs in fp32 on a CPU without
+    half-precision GEMMs (``platform.cpu_has_half_gemm``), by oneDNN or, where the build lacks it,
+    MKL's mm: every way agrees with the float64 reference, and the rounding of each GEMM's output
+    is the same (they agree far inside the tolerance)."""
     from fusedmoe.experts import cpu as cpu_mod
 
     config = MoEConfig(4, 2, 96, 48, dtype=dtype)
     s = QuantScheme.unquantized()
     prob = make_problem(config, s, 64, seed=5)  # 32 rows per expert on average: every expert upcast
     d = LocalDispatcher(config, s).dispatch(prob.x, TopK(prob.topk_ids, prob.topk_weights), prob.weights)
-    calls = []
-    monkeypatch.setattr(cpu_mod, "cpu_has_half_gemm", lambda: calls.append(1) or not upcast)
+    calls, gemms = [], []
+    monkeypatch.setattr(cpu_mod, "cpu_has_half_gemm", lambda: calls.append(1) or upcast == "half_gemm")
+    if upcast == "fp32_mm":
+        monkeypatch.setattr(cpu_mod, "_dnn_linear", lambda: None)
+    else:
+        dnn = cpu_mod._dnn_linear()
+        assert dnn is not None, "this PyTorch has no oneDNN linear: the fp32_onednn case cannot run"
+        monkeypatch.setattr(cpu_mod, "_dnn_linear", lambda: lambda *a: gemms.append(1) or dnn(*a))
     out = poison_(torch.empty(64, 96, dtype=dtype))
     CpuExperts(config, s).apply(d.a, d.topk, prob.weights, out)
     assert calls, "the GEMMs did not ask which way to multiply"
+    assert bool(gemms) == (upcast == "fp32_onednn"), gemms
     assert rel_error(out, prob.reference()) <= tolerance(s, dtype)
     monkeypatch.setattr(cpu_mod, "cpu_has_half_gemm", lambda: True)
     half = torch.empty(64, 96, dtype=dtype)
     CpuExperts(config, s).apply(d.a, d.topk, prob.weights, half)
     assert rel_error(out, half) <= tolerance(s, dtype) / 4
+
+
+@pytest.mark.parametrize(
+    ("label", "rows", "shape", "expected"),
+    [
+        ("large_w_8_rows", 8, (512, 1024), True),
+        ("large_w_7_rows", 7, (512, 1024), False),
+        ("small_w_15_rows", 15, (512, 512), False),
+        ("small_w_16_rows", 16, (512, 512), True),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_cpu_backend_upcasts_from_the_measured_rows(label, rows, shape, expected, monkeypatch):
+    """The rows from which a half GEMM goes to fp32 depend on W's size (``cpu.UPCAST_ROWS``), never
+    for fp32 weights, nor where the CPU has half GEMMs."""
+    from fusedmoe.experts import cpu as cpu_mod
+
+    monkeypatch.setattr(cpu_mod, "cpu_has_half_gemm", lambda: False)
+    w = torch.empty(shape, dtype=torch.bfloat16)
+    assert cpu_mod.upcast(rows, w) is expected, label
+    assert not cpu_mod.upcast(rows, w.float())
+    monkeypatch.setattr(cpu_mod, "cpu_has_half_gemm", lambda: True)
+    assert not cpu_mod.upcast(rows, w)
 
 
 ONE_TOKEN_CASES = [

@@ -15,14 +15,24 @@ its K pairs run in k order, one row each, and the weighted sum over K is one
 
 Numerics: GEMMs in the model dtype (bf16 on CPU accumulates in fp32), the
 weighted sum over K in fp32, one rounding to the model dtype at the end. On a
-CPU without bf16/fp16 matrix instructions (``platform.cpu_has_half_gemm``), a
-GEMM of at least ``UPCAST_ROWS`` rows converts its operands to fp32 and rounds
-its output to the model dtype: the same products and the same rounding of the
-output as the half-precision GEMM (which also accumulates in fp32), 1.7-4.6x
-faster there from 16 rows on (2-core AVX2 EPYC, 2026-11-28: [M, 512] x [512,
-3584], M = 16: 4,452 -> 2,641 us, M = 256: 72,178 -> 15,771 us; at M = 1-8 the
-conversion of W costs more than it saves: 290 vs 458 us at M = 1, 2,016 vs
-2,266 at M = 8).
+CPU without bf16/fp16 matrix instructions (``platform.cpu_has_half_gemm``),
+PyTorch's half GEMM converts W again for every row (~270 us a row for [M, 512]
+x [512, 3584] on a 2-core AVX2 EPYC, linear in M). There a GEMM of enough rows
+(``upcast``, 8 or 16 by W's size) converts W to fp32 once and runs oneDNN's fp32 GEMM
+(``mkldnn::_linear_pointwise``; MKL's ``mm`` where the build lacks it), then
+rounds its output to the model dtype: the same products (a half times a half
+is exact in fp32), sums in fp32 as the half GEMM's, one rounding, so the
+results differ only in the order of the fp32 sums. Measured with each call on
+another expert's weights (8 experts, so W comes from memory as in a layer; 2
+threads, 2026-11-28), us at M = 1 / 4 / 8 / 16 rows, half GEMM vs converted:
+[M, 512] x [512, 3584] 342 / 1,055 / 2,035 / 4,073 vs 552 / 841 / 929 / 1,522;
+[M, 1792] x [1792, 512] 151 / 473 / 886 / 1,740 vs 336 / 470 / 583 / 724;
+[M, 512] x [512, 384] 43 / 129 / 242 / 461 vs 133 / 199 / 196 / 259. MKL's fp32
+``mm`` after the same conversion: 686 / 1,080 / 1,257 / 4,984 on the first.
+Keeping an fp32 copy of the weights instead was measured slower where experts
+get 1-16 rows (the GEMMs read W from memory at ~10 GB/s there, and fp32 doubles
+its bytes: Mixtral sibling T = 1 1,510 -> 2,839 us, T = 16 13,889 -> 18,631),
+so the weights stay in the model dtype.
 
 Deterministic mode (``deterministic``; ``FUSEDMOE_DETERMINISTIC=1`` when built): every
 GEMM runs over fixed tiles of 16 rows (``reference.batch_invariant_mm``), the last one
@@ -37,6 +47,7 @@ expert-sorted pairs); the T = 1 path, whose sum is in k order, is off.
 
 from __future__ import annotations
 
+from functools import cache
 from itertools import accumulate
 
 import torch
@@ -51,10 +62,40 @@ from ..weights import expert_matrix
 from .base import ALL_SCHEMES, Capabilities, Experts
 from .reference import batch_invariant_mm
 
-# rows from which a half-precision GEMM runs in fp32 on CPUs without half GEMMs (above); 8 and 4
-# measured no better through the layer (T = 16, interleaved medians, us at 16 / 8 / 4: small
-# 2,698 / 2,965 / 3,388, Mixtral sibling 13,808 / 13,765 / 21,385)
-UPCAST_ROWS = 16
+# rows from which a half-precision GEMM runs in fp32 on CPUs without half GEMMs, by the size of
+# W (values): through the layer (interleaved medians, 2 threads), Mixtral sibling T = 64 (~8 rows
+# an expert, W 0.9-1.8 M values) 50,555 -> 25,485 us from 8 rows on, but the Qwen3 sibling at T =
+# 64 (W 0.1-0.2 M values) 38,904 -> 44,535 with 8 and 36,876 with 16; at 4 rows the layer lost
+# (Mixtral sibling T = 16, ~4 rows an expert: 14,043 -> 15,414)
+UPCAST_ROWS = ((1 << 19, 8), (0, 16))
+_UPCAST_FEWEST = min(r for _, r in UPCAST_ROWS)
+
+
+def upcast(rows: int, w_t: torch.Tensor) -> bool:
+    """Whether a half GEMM of ``rows`` rows on weights ``w_t`` runs in fp32 (module docstring).
+    Most GEMMs of a decode call have fewer rows than any bar: that test first, ~0.1 us."""
+    if rows < _UPCAST_FEWEST or rows < next(r for size, r in UPCAST_ROWS if w_t.numel() >= size):
+        return False
+    half = w_t.dtype in (torch.bfloat16, torch.float16)
+    return half and w_t.device.type == "cpu" and not cpu_has_half_gemm()
+
+
+@cache
+def _dnn_linear():
+    """oneDNN's linear (x @ W.T for W [N, K]) where this PyTorch build has it, else None."""
+    try:
+        return torch.ops.mkldnn._linear_pointwise.default if torch.backends.mkldnn.is_available() else None
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def sgemm(a: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
+    """a [M, K] @ w_t [K, N] in fp32 (both converted), by oneDNN where it is there: 1.3-3.3x
+    MKL's ``mm`` at 1-16 rows (module docstring)."""
+    dnn = _dnn_linear()
+    if dnn is None or a.shape[0] == 0:
+        return a.float() @ w_t.float()
+    return dnn(a.float(), w_t.T.float().contiguous(), None, "none", [], "")
 
 
 class CpuExperts(Experts):
@@ -79,9 +120,8 @@ class CpuExperts(Experts):
         if self.deterministic:
             return batch_invariant_mm(a, w_t) if out is None else out.copy_(batch_invariant_mm(a, w_t))
         # the CPU's own GEMM only: the loop baseline (a subclass) also runs on GPUs
-        half = a.dtype in (torch.bfloat16, torch.float16)
-        if half and a.shape[0] >= UPCAST_ROWS and a.device.type == "cpu" and not cpu_has_half_gemm():
-            y = a.float() @ w_t.float()
+        if upcast(a.shape[0], w_t):
+            y = sgemm(a, w_t)
             return y.to(a.dtype) if out is None else out.copy_(y)
         return torch.mm(a, w_t, out=out)
 
