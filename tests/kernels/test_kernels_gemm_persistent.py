@@ -41,7 +41,7 @@ from fusedmoe.kernels._common import interpreting
 from fusedmoe.kernels.align import moe_align_ref
 from fusedmoe.kernels.gemm_format import ActEpilogue, GemmCall, GemmFormat, block_uniform
 from fusedmoe.kernels.grouped_gemm import grouped_gemm, grouped_gemm_batched_ref, grouped_gemm_launch, grouped_gemm_ref
-from fusedmoe.kernels.grouped_gemm_persistent import GroupQuantEpilogue, persistent_gemm_launch, supports
+from fusedmoe.kernels.grouped_gemm_persistent import GroupQuantEpilogue, halves, persistent_gemm_launch, supports
 from fusedmoe.kernels.launch_config import LaunchConfig, fit_launch_config
 from fusedmoe.quant import Granularity, Operand, QDtype, QTensor, QuantScheme, TensorQuant, fake_quantize, quantize
 from fusedmoe.testing import EDGE_CASES, poison_, random_topk
@@ -300,6 +300,33 @@ def test_block_uniform_scales(case, persistent):
     assert block_uniform(fmt, bn, out_cols, act) is want
     cfg = dataclasses.replace(CFG, block_n=bn, persistent=persistent)
     run(Run(sch, gemm="gemm1" if gated else "gemm2", n=n, kd=128, act=act, cfg=cfg))
+
+
+# A tile of two weight blocks' rows as two halves, one scale a step each (``halves``): (scheme, W rows,
+# gated act, BN, halves, batched counts or None). W rows 96 and 160 leave the last tile's second half partly or
+# wholly past N (its scale load clamped, its columns masked).
+_HALVES_CASES = {
+    "two_blocks_n128": ("fp8_block64x64", 128, False, 128, 2, None),
+    "second_half_partly_past_n": ("fp8_block64x64", 96, False, 128, 2, None),
+    "second_half_wholly_past_n": ("fp8_block64x64", 160, False, 128, 2, None),
+    "int8_blocks": ("int8_block32x32", 96, False, 64, 2, None),
+    "batched": ("fp8_block64x64", 160, False, 128, 2, (5, 0, 9, 3)),
+    "gated_keeps_its_split": ("fp8_block64x64", 256, True, 128, 1, None),
+    "one_block_wide": ("fp8_block64x64", 128, False, 64, 1, None),
+}
+
+
+@needs_triton
+@pytest.mark.parametrize("case", list(_HALVES_CASES))
+def test_block_halves(case):
+    """The halves flag for each tile, then the result against float64 (the interpreter runs the
+    persistent kernel's two-half path exactly as compiled: two descriptors, two accumulators)."""
+    scheme, n, gated, bn, want, counts = _HALVES_CASES[case]
+    sch = SCHEMES[scheme]
+    act = _ep(Activation.SILU, False) if gated else None
+    cfg = dataclasses.replace(CFG, block_n=bn)
+    assert halves(GemmFormat.of(sch.w1, sch.a1, n, 128), cfg, act) == want
+    run(Run(sch, gemm="gemm1" if gated else "gemm2", n=n, kd=128, act=act, cfg=cfg, counts=counts))
 
 
 _OUT_CASES = {  # (scheme, output quant, interleaved)
@@ -570,11 +597,12 @@ REAL = [  # (E, H, I, T, K): Qwen3-30B-A3B's H and I at 256 rows per expert; Mix
 _REAL_CFGS = [
     LaunchConfig(64, 128, 64, 8, 4, 3, persistent=True),
     LaunchConfig(128, 128, 128, 8, 8, 3, persistent=True, epilogue_subtile=2),
+    LaunchConfig(128, 256, 128, 8, 8, 3, persistent=True),  # fp8 blocks: two halves (``halves``)
 ]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", _REAL_CFGS, ids=["bm64", "bm128"])
+@pytest.mark.parametrize("cfg", _REAL_CFGS, ids=["bm64", "bm128", "bm128_bn256"])
 @pytest.mark.parametrize("gemm", ["gemm1", "gemm2"])
 @pytest.mark.parametrize("shape", REAL, ids=[f"E{s[0]}_H{s[1]}_I{s[2]}_T{s[3]}" for s in REAL])
 @pytest.mark.parametrize("scheme", ["bf16", "fp8_tensor", "fp8_block"])

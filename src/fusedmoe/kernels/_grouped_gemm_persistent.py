@@ -173,6 +173,18 @@ def _split_cols(x, PIECES: tl.constexpr, P: tl.constexpr):
 
 
 @triton.jit
+def _piece(acc, acc_u, P: tl.constexpr, SUBTILE: tl.constexpr, HALVES: tl.constexpr):
+    """The accumulators of epilogue piece P: a half's own (HALVES), else column piece P of both."""
+    if HALVES == 2:
+        if P == 0:
+            return acc, acc
+        else:
+            return acc_u, acc_u
+    else:
+        return _split_cols(acc, SUBTILE, P), _split_cols(acc_u, SUBTILE, P)
+
+
+@triton.jit
 def _store_group_fp8(v, mask, c_ptrs, cs_row_ptr, row_ok, n0, num_groups, stride_csg, EXACT_CAST: tl.constexpr,
                      OUT_GROUP: tl.constexpr, PIECE_N: tl.constexpr):  # fmt: skip
     """fp8 codes of v [BM, PIECE_N] (columns n0..) with one dynamic scale per 1 x OUT_GROUP
@@ -266,6 +278,7 @@ def _persistent_gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     SUBTILE: tl.constexpr,  # epilogue column pieces: 1 or 2
+    HALVES: tl.constexpr,  # 2: the tile's W rows as two halves of one weight block each (module docstring)
     FLATTEN: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
 ):  # fmt: skip
@@ -274,7 +287,7 @@ def _persistent_gemm_kernel(
     # 119 lines: one Triton kernel: descriptors, the tile loop and the epilogue share the persistent program's state;
     # the per-tile pieces are @triton.jit helpers.
     WIDE: tl.constexpr = GATED and INTERLEAVED  # one [BM, 2BN] accumulator, split after the K loop
-    BNL: tl.constexpr = 2 * BLOCK_N if WIDE else BLOCK_N  # W rows per descriptor load
+    BNL: tl.constexpr = 2 * BLOCK_N if WIDE else BLOCK_N // HALVES  # W rows per descriptor load
     A_PER_K: tl.constexpr = A_GROUP > 0
     INT_ACC: tl.constexpr = NATIVE and W_FMT == "int8" and not A_PER_K and not W_BK > 0
     ACC_DTYPE: tl.constexpr = tl.int32 if INT_ACC else tl.float32
@@ -309,8 +322,11 @@ def _persistent_gemm_kernel(
         g0 = w_row - (e * N_W).to(tl.int32)  # the expert's W row of the accumulator's first column
         g_cols = g0 + tl.arange(0, BNL)  # W rows of the accumulator's columns
         g_ok = g_cols < N_W  # columns past N are masked at the store; these keep scale loads in bounds
-        u_cols = g_cols + N
+        u_cols = g_cols + (BNL if HALVES == 2 else N)  # the up rows, or the second half's
         u_ok = u_cols < N_W
+        # the second half's weight block (one scale a step): a half past N_W reads zeros (or the
+        # next expert's rows, masked at the store) and keeps its scale load in bounds
+        u0 = tl.minimum(g0 + BNL, N_W - 1) if HALVES == 2 else g0 + N
         acc = tl.zeros([BLOCK_M, BNL], dtype=ACC_DTYPE)
         acc_u = acc  # the up rows' accumulator: carried only under a split-layout gated ACT
         # a dead block (expert -1: not local; batched: past counts[e]) runs no K step and
@@ -324,19 +340,21 @@ def _persistent_gemm_kernel(
                 acc, a, b, as_row_ptr, row_ok, ws_base, g_cols, g_ok, g0, k0, stride_ask, stride_wsn, stride_wsk,
                 W_FMT, A_GROUP, W_BN, W_BK, W_UNIFORM, NATIVE, INT_ACC, DOT_DTYPE, 1.0, False,
             )  # fmt: skip
-            if GATED and not INTERLEAVED:
-                b_u = _w_operand(w_desc, w_row + N, k0, W_FMT, NATIVE, DOT_DTYPE)
+            if (GATED and not INTERLEAVED) or HALVES == 2:
+                b_u = _w_operand(w_desc, w_row + (BNL if HALVES == 2 else N), k0, W_FMT, NATIVE, DOT_DTYPE)
                 acc_u = _mac(
-                    acc_u, a, b_u, as_row_ptr, row_ok, ws_base, u_cols, u_ok, g0 + N, k0, stride_ask, stride_wsn,
+                    acc_u, a, b_u, as_row_ptr, row_ok, ws_base, u_cols, u_ok, u0, k0, stride_ask, stride_wsn,
                     stride_wsk, W_FMT, A_GROUP, W_BN, W_BK, W_UNIFORM, NATIVE, INT_ACC, DOT_DTYPE, 1.0, False,
                 )  # fmt: skip
 
         if WIDE:  # columns 2j, 2j + 1 of the accumulator are gate and up of output column j
             acc, acc_u = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
-        PIECE_N: tl.constexpr = BLOCK_N // SUBTILE
-        for p in tl.static_range(SUBTILE):
+        PIECES: tl.constexpr = HALVES if HALVES == 2 else SUBTILE
+        PIECE_N: tl.constexpr = BLOCK_N // PIECES
+        for p in tl.static_range(PIECES):
+            x, x_u = _piece(acc, acc_u, p, SUBTILE, HALVES)
             _epilogue_piece(
-                _split_cols(acc, SUBTILE, p), _split_cols(acc_u, SUBTILE, p), n0 + p * PIECE_N, e, row_ok, c_rows,
+                x, x_u, n0 + p * PIECE_N, e, row_ok, c_rows,
                 rw_rows, as_row_ptr, ws_base, bias_ptr, route_w_ptr, c_ptr, c_scale_ptr, N, alpha, limit, num_groups,
                 stride_wsn, stride_be, stride_bn, stride_re, stride_rm, stride_ce, stride_cm, stride_cn,
                 stride_cse, stride_csm, stride_csg,

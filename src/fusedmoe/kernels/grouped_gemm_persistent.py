@@ -306,5 +306,23 @@ def persistent_gemm_launch(
         SUBTILE=cfg.epilogue_subtile,
         FLATTEN=cfg.flatten and not cfg.warp_specialize,  # fused loops are not specialized
         WARP_SPECIALIZE=cfg.warp_specialize,
-        **shared_constexprs(fmt, cfg, act, batched, bias, route_weights, oq, n),
+        **_constexprs(fmt, cfg, act, batched, bias, route_weights, oq, n),
     )
+
+
+def halves(fmt: GemmFormat, cfg: LaunchConfig, act: ActEpilogue | None) -> int:
+    """2 where a tile of two weight blocks' rows (BN = 2 W_BN, not gated) runs as two halves, each
+    with one weight scale a K step (``_mac``'s W_UNIFORM), else 1. As one accumulator such a tile
+    needed a [BN] scale vector a step and, at 128 x 256, spilled (344-536 bytes); as halves it
+    holds two [BM, BN / 2] accumulators and one partial product."""
+    gated = act is not None and act.activation.is_gated
+    block = fmt.native and fmt.w_bn > 0 and fmt.w_bk > 0
+    return 2 if block and not gated and cfg.block_n == 2 * fmt.w_bn else 1
+
+
+def _constexprs(fmt, cfg, act, batched, bias, route_weights, oq, n) -> dict:
+    """``shared_constexprs`` with HALVES (each half is one weight block: W_UNIFORM)."""
+    out = shared_constexprs(fmt, cfg, act, batched, bias, route_weights, oq, n)
+    out["HALVES"] = halves(fmt, cfg, act)
+    out["W_UNIFORM"] = out["W_UNIFORM"] or out["HALVES"] == 2
+    return out
