@@ -608,6 +608,9 @@ _REAL_CFGS = [
 @pytest.mark.parametrize("scheme", ["bf16", "fp8_tensor", "fp8_block"])
 def test_real_shapes(scheme, shape, gemm, cfg):
     e, h, i, t, k = shape
+    if scheme == "bf16" and cfg.block_n * cfg.block_k > 128 * 128:
+        # 128 x 256 x 128 bf16 tiles need 288 KiB of shared memory at 3 stages (228 on an H100/H200)
+        cfg = dataclasses.replace(cfg, block_k=64)
     n, kd = (2 * i, h) if gemm == "gemm1" else (h, i)
     run(Run(SCHEMES[scheme], t, e, k, n=n, kd=kd, gemm=gemm, out_dtype=torch.bfloat16, cfg=cfg))
 

@@ -47,8 +47,13 @@ What ptxas makes of it for sm_90 (offline compiles, ``tests/kernels/sm90_compile
 wgmma (HGMMA/QGMMA) for BM >= 64 (BM 16/32 fall back to mma.sync), W by TMA (UTMALDG), gathered
 A by cp.async. 128 x 256 accumulators at 8 warps: bf16 207-255 registers, 144 KiB of shared
 memory at 3 stages, no spills; fp8 with block scales keeps each K step's partial product beside
-the accumulator and spilled 344-536 bytes at 128 x 256, none at 128 x 128 (227 registers there,
-with one weight scale per step: ``_mac``'s W_UNIFORM; timed on an H200, PERF_LOG 2026-11-28). ``warp_specialize``
+the accumulator and spilled 344-536 bytes at 128 x 256 as one tile, none at 128 x 128 (227 registers there,
+with one weight scale per step: ``_mac``'s W_UNIFORM; timed on an H200, PERF_LOG 2026-11-28). A
+128 x 256 fp8-block tile runs as two halves of one 128-row block each (``HALVES``, chosen by
+``grouped_gemm_persistent.halves``): two [BM, 128] accumulators and one partial product, 255
+registers, 40 bytes spilled outside the K loop, 321 instructions a K step for 8 MMAs (199 for 4
+at 128 x 128); with the H200 tables re-tuned the layer gained 1.02-1.11x at T >= 4096 (PERF_LOG,
+tenth session). ``warp_specialize``
 (on the K loop) gives 1 producer + 2 consumer warpgroups (12 warps, 168 registers) only for
 4-warp programs with A through TMA, without ``flatten``; Triton 3.6's pass fails on gathered
 A, on the interleaved split at BM 128 and on BM 64 x 256-row W tiles (the launcher refuses
