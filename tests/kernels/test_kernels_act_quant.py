@@ -19,7 +19,6 @@ import torch
 from fusedmoe.config import Activation, MoEConfig
 from fusedmoe.kernels._common import interpreting
 from fusedmoe.kernels.act_quant import (
-    SourceRows,
     act_and_quantize,
     act_and_quantize_ref,
     quantize_activations,
@@ -335,44 +334,6 @@ def test_act_and_quantize_row_mask(a2):
     assert torch.isfinite(rows.scale.float()).all()
     torch.testing.assert_close(rows.scale.float().cpu(), ref.scale.float(), rtol=1e-5, atol=0)
     assert rel_error(dequantize(rows, tq).cpu(), dequantize(ref, tq)) <= ACT_TOL[tq.dtype.value.split("_")[0]]
-
-
-@needs_triton
-@pytest.mark.parametrize("a2", ["fp8_group128", "fp8_group32", "int8_token", "fp8_tensor_static", "none"])
-def test_act_and_quantize_by_slot(a2):
-    """a2 by slot (``SourceRows``): output row s is the reference of h's row ids[s]; slots whose
-    id is a padding sentinel (>= the rows of h), and slots past num_used, are left as they were.
-    Rows of h no slot names hold inf/NaN: nothing may read them."""
-    cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=64, intermediate_size=128)
-    g = torch.Generator().manual_seed(7)
-    m, slots, used = 19, 32, 28
-    h = (torch.randn(m, cfg.w13_rows, generator=g) * 3).to(torch.bfloat16)
-    ids = torch.full((slots,), m, dtype=torch.int32)  # padding everywhere first
-    named = torch.randperm(m, generator=g)[:15]
-    at = torch.randperm(used, generator=g)[:15]
-    ids[at] = named.int()
-    ids[used:] = torch.arange(slots - used, dtype=torch.int32)  # past num_used: must not be computed
-    h[[r for r in range(m) if r not in set(named.tolist())]] = float("nan")
-    tq = QUANTS.get(a2)
-    scale = {"scale": torch.tensor(0.05)} if tq is not None and not tq.dynamic else {}
-    ref = act_and_quantize_ref(h[named], cfg, tq, **scale)
-    src = SourceRows(ids.to(DEVICE), torch.tensor([used], dtype=torch.int32, device=DEVICE))
-    ref_out = act_and_quantize_ref(torch.zeros(slots, cfg.w13_rows, device=DEVICE), cfg, tq, **scale)
-    out = poison_(torch.empty(slots, 128, dtype=cfg.dtype, device=DEVICE)) if tq is None else _poisoned_like(ref_out)
-    before = (out if tq is None else out.data).clone()
-    q = act_and_quantize(h.to(DEVICE), cfg, tq, out=out, src_rows=src, **{k: v.to(DEVICE) for k, v in scale.items()})
-    data = q if tq is None else q.data
-    skipped = torch.ones(slots, dtype=torch.bool)
-    skipped[at] = False
-    assert torch.equal(data[skipped].view(torch.uint8).cpu(), before[skipped].view(torch.uint8).cpu())
-    got = data[at].cpu()
-    if tq is None:
-        assert rel_error(got, ref) <= ACT_TOL["none"]
-        return
-    s_rows = q.scale if q.scale.numel() == 1 else q.scale[at]
-    rows = QTensor(got, tuple(ref.shape), scale=s_rows.cpu())
-    torch.testing.assert_close(rows.scale.float(), ref.scale.float(), rtol=1e-5, atol=0)
-    assert rel_error(dequantize(rows, tq), dequantize(ref, tq)) <= ACT_TOL[tq.dtype.value.split("_")[0]]
 
 
 @needs_triton

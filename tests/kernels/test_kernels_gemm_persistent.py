@@ -302,60 +302,6 @@ def test_block_uniform_scales(case, persistent):
     run(Run(sch, gemm="gemm1" if gated else "gemm2", n=n, kd=128, act=act, cfg=cfg))
 
 
-def _a_by_slot(a: Operand, r, gen) -> Operand:
-    """``a`` (by pair) in ``r``'s slot order, garbage in the padding slots (``_by_slot``)."""
-    slots = r.sorted_ids.long()
-    real = (slots < r.num_pairs) & (r.block_expert.long().repeat_interleave(r.block_m) >= 0)
-    q = dataclasses.replace(a.q, data=_by_slot(a.data, slots, real, gen), scale=_by_slot(a.scale, slots, real, gen),
-                            shape=(slots.numel(), a.shape[1]))  # fmt: skip
-    return Operand(q, a.quant)
-
-
-@needs_triton
-@pytest.mark.parametrize("scheme", ["fp8_block", "fp8_token", "int8_w8a8_block", "bf16"])
-def test_grouped_gemm_a_by_slot(scheme):
-    """GEMM2 with A by slot (``grouped_gemm``: rows = slots, read by descriptor) gives the bytes of
-    the same persistent config with A by pair, whatever the padding slots hold; a config that
-    is not persistent is refused with the reason."""
-    from fusedmoe.errors import FusedMoEError
-
-    sch = SCHEMES[scheme]
-    gen = torch.Generator().manual_seed(3)
-    t, e, k, n, kd = 21, 4, 2, 96, 128
-    ids, tw = random_topk(t, e, k, gen)
-    r = moe_align_ref(ids.to(DEVICE), e, CFG.block_m)
-    ops = make_operands(sch, t * k, e, n, kd, gen)
-    a_slot = _a_by_slot(ops.a, r, gen)
-    fmt = GemmFormat.of(ops.w.quant, ops.a.quant, n, kd)
-    cfg = fit_launch_config(CFG, fmt.k_group, strict=fmt.native)
-    rw = tw.reshape(-1).float().to(DEVICE)
-    by_pair = grouped_gemm(ops.a, ops.w, r, topk_weights=rw, config=cfg, out_dtype=torch.float32)
-    by_slot = grouped_gemm(a_slot, ops.w, r, topk_weights=rw, config=cfg, out_dtype=torch.float32)
-    assert torch.equal(by_slot, by_pair)
-    check(by_slot, grouped_gemm_ref(ops.a, ops.w, r, topk_weights=rw), _tol(sch, torch.float32))
-    with pytest.raises(FusedMoEError, match="not persistent"):
-        grouped_gemm(a_slot, ops.w, r, topk_weights=rw, config=dataclasses.replace(cfg, persistent=False))
-
-
-def test_grouped_gemm_a_by_slot_reference_path(monkeypatch):
-    """Where the kernels do not run (CPU tensors without the interpreter), A by slot is put back in
-    pair order for the reference: the same result as A by pair."""
-    import fusedmoe.kernels.grouped_gemm as gg
-
-    monkeypatch.setattr(gg, "_use_kernel", lambda x: False)
-    sch = SCHEMES["fp8_block"]
-    gen = torch.Generator().manual_seed(4)
-    ids, tw = random_topk(13, 4, 2, gen)
-    r = moe_align_ref(ids, 4, 16)
-    ops = make_operands(sch, 26, 4, 64, 128, gen)
-    ops = dataclasses.replace(ops, a=Operand(ops.a.q.to("cpu"), ops.a.quant), w=Operand(ops.w.q.to("cpu"), ops.w.quant))
-    a_slot = _a_by_slot(ops.a, r, gen)
-    cfg = LaunchConfig(16, 32, 128, 2, 4, 2, persistent=True)
-    rw = tw.reshape(-1).float()
-    by_pair = gg.grouped_gemm(ops.a, ops.w, r, topk_weights=rw, config=cfg, out_dtype=torch.float32)
-    assert torch.equal(gg.grouped_gemm(a_slot, ops.w, r, topk_weights=rw, config=cfg, out_dtype=torch.float32), by_pair)
-
-
 # A tile of two weight blocks' rows as two halves, one scale a step each (``halves``): (scheme, W rows,
 # gated act, BN, halves, batched counts or None). W rows 96 and 160 leave the last tile's second half partly or
 # wholly past N (its scale load clamped, its columns masked).

@@ -422,34 +422,3 @@ def test_spawned_workers_warm_what_the_main_process_runs(tmp_path):
     assert rep.workers == 1 and rep.jobs >= 3
     assert rep.total("key_checked") >= 3 and rep.total("key_mismatch") == 0
     assert len(rep.files) == 2
-
-
-@pytest.mark.skipif(not (torch.cuda.is_available() or interpreting()), reason="no kernel launches")
-def test_gemm2_steps_read_a2_by_slot_as_the_layer_does(monkeypatch):
-    """Where the layer writes a2 by slot (unfused GEMM1, per-row a2 scales: fp8 blocks) the tuner's
-    GEMM2 launches with a persistent config take A in slot order (``slot_rows``), the others A by
-    pair; both give the by-pair result. Per-tensor dynamic a2 never goes by slot."""
-    from fusedmoe.kernels import grouped_gemm as gg
-
-    config = preset_config("small")
-    seen = []
-    real = gg.grouped_gemm
-
-    def spy(a, *args, **kw):
-        seen.append(a.shape[0])
-        return real(a, *args, **kw)
-
-    monkeypatch.setattr(operands, "grouped_gemm", spy)
-    for name, want in (("fp8_block", True), ("fp8_tensor", False)):
-        sch = QuantScheme.by_name(name)
-        weights = operands.layer_weights(config, sch, "cpu")
-        ids, rw = random_topk(16, config.num_experts, config.top_k, torch.Generator().manual_seed(2))
-        op = operands.step_operands(config, sch, weights, "w2", 16, "cpu", ids, rw)
-        assert op.a2_by_slot is want, name
-        persistent, plain = op.fit(LaunchConfig(16, 32, 128, 2, 4, 2, persistent=True)), op.fit(LaunchConfig(16, 32))
-        seen.clear()
-        by_plain = operands.launch(op, plain, op.routing(16)).clone()
-        got = operands.launch(op, persistent, op.routing(16)).clone()
-        slots = op.routing(16).sorted_ids.numel()
-        assert seen == [op.pairs, slots if want else op.pairs], name
-        assert rel_error(got.float(), by_plain.float()) < 1e-2, name

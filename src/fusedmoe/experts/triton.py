@@ -42,15 +42,6 @@ the pass would write): no codes pass either, 5 launches in all (route, x's quant
 GEMMs, the sum). ``FUSEDMOE_QUANT_ON_LOAD`` = N (or ``experts.quant_on_load``) does it in every
 call of at most N pairs that can, per 1 x g group scales included; 0 never.
 
-a2 by slot (prefill, unfused GEMM1: fp8/int8 a2 with per-token or 1 x g group scales). Where
-GEMM2 runs the persistent kernel on GEMM1's alignment (``_a2_by_slot``), ``act_and_quantize``
-reads h by pair and writes a2 in slot order (``SourceRows``: slot s from the pair in
-``sorted_ids[s]``; padding slots skipped), and GEMM2 reads its A tiles through a tensor
-descriptor (TMA) instead of gathering rows by pair with masked loads. Measured on the GEMM alone
-(H200, ``scripts/kbench_prefill.py``, fp8 blocks, 128 x 128): Mixtral T = 4096 1.213 -> 1.067 ms,
-DeepSeek-V3 2.102 -> 1.792. The workspace's a2 holds the slots of a BM <= 128 alignment from
-``_BY_SLOT_ROWS`` pairs an expert on.
-
 Workspace (``workspace``, declared from the shapes): h [T*K, 2I] (unfused), h_act [T*K, I] and
 a2_amax [1] (fused with a per-tensor dynamic a2: act(h) before Q_a2, and its abs-max; the slots
 a2_amax_slots for pair blocks) and y
@@ -98,15 +89,15 @@ import torch
 from .. import env
 from ..contract import TokenLayout, WeightedReduce, Workspace, quantized_layout, take
 from ..kernels._common import cdiv, interpreting
-from ..kernels.act_quant import SourceRows, act_and_quantize, quantize_activations
+from ..kernels.act_quant import act_and_quantize, quantize_activations
 from ..kernels.align import moe_align, pair_blocks
 from ..kernels.gemm_format import ActEpilogue, GemmCall, GemmFormat, amax_slot_count, on_load_why, scheme_key
-from ..kernels.grouped_gemm import by_slot_why, grouped_gemm, grouped_gemm_batched
+from ..kernels.grouped_gemm import grouped_gemm, grouped_gemm_batched
 from ..kernels.grouped_gemm_w4 import supports as w4_supports
 from ..kernels.grouped_gemm_w4 import w4_gemm_launch, w4_launch_config
 from ..kernels.launch_config import LaunchConfig, gated_act_config, pick_launch_config
 from ..kernels.moe_sum import moe_sum
-from ..metadata import ID_DTYPES, AlignedRouting, int32_ids, local_expert_ids
+from ..metadata import ID_DTYPES, int32_ids, local_expert_ids
 from ..platform import current_platform
 from ..quant import Operand, QTensor
 from ..quant.w4_layout import convertible, from_w4_weights, is_w4, to_w4_weights
@@ -183,7 +174,6 @@ class _Plan:
     lc2: LaunchConfig
     act: ActEpilogue | None = None
     a2_on_load: bool = False
-    a2_by_slot: bool = False  # act_and_quantize writes a2 by slot, GEMM2 reads it by descriptor
 
     @property
     def same_blocks(self) -> bool:
@@ -220,9 +210,6 @@ _ON_LOAD_STEPS_PER_SM = 32
 _PAIR_BLOCK_PAIRS = 16
 _EXPERTS_PER_PAIR = 8
 _SMS_UNKNOWN = 132  # the interpreter, or a platform without its SM count
-# pairs per local expert from which the workspace holds a2 by slot: the tuner's persistent
-# candidates start there (``tools.tune.space.PREFILL_ROWS``), below the slots' padding is waste
-_BY_SLOT_ROWS = 64
 
 
 class _TritonBase(Experts):
@@ -291,8 +278,7 @@ class _TritonBase(Experts):
                 ep = replace(ep, amax_slots=True)
             lc1 = gated_act_config(lc1) if ep is not None and ep.activation.is_gated else lc1
             lc1 = _amax_subtile(lc1) if ep is not None and ep.track_amax else lc1
-            by_slot = not w4 and self._a2_by_slot(lc1, lc2, ep, by_pair)
-            plan = _Plan(lc1, lc2, ep, on_load, by_slot)
+            plan = _Plan(lc1, lc2, ep, on_load)
             if len(self._plans) >= _PLANS_KEPT:
                 self._plans.clear()
             self._plans[key] = plan
@@ -317,17 +303,6 @@ class _TritonBase(Experts):
         c = self.config
         steps = rows * cdiv(c.hidden_size, lc2.block_n) * cdiv(c.intermediate_size, lc2.block_k)
         return steps <= _ON_LOAD_STEPS_PER_SM * (current_platform().sm_count or _SMS_UNKNOWN)
-
-    def _a2_by_slot(self, lc1: LaunchConfig, lc2: LaunchConfig, ep: ActEpilogue | None, by_pair: bool) -> bool:
-        """Whether a2 goes by slot (module docstring): standard layout, aligned blocks of one BM,
-        GEMM1 unfused (a2 is written by ``act_and_quantize``), a2 with per-row or static scales,
-        and a GEMM2 config that the persistent kernel serves."""
-        if self.layout is not TokenLayout.STANDARD or by_pair or ep is not None or lc1.block_m != lc2.block_m:
-            return False
-        c, sch = self.config, self.scheme
-        if _tensor_dynamic(sch.a2):  # its abs-max would cover the padding slots' rows
-            return False
-        return by_slot_why(GemmFormat.of(sch.w2, sch.a2, c.hidden_size, c.intermediate_size), lc2) is None
 
     def _on_load_epilogue(self) -> ActEpilogue:
         """GEMM1's epilogue when GEMM2 quantizes a2 on load: act(h) in the model dtype, its
@@ -394,11 +369,7 @@ class _TritonBase(Experts):
         elif ep.track_amax:  # act(h), quantized after GEMM1 (per tensor), and its abs-max
             shapes["h_act"] = ((rows, i), c.dtype)
             shapes["a2_amax"] = ((1,), torch.float32)
-        a2_rows = rows
-        if ep is None and self.layout is TokenLayout.STANDARD and rows >= _BY_SLOT_ROWS * (e_l or c.num_experts):
-            # a2 by slot (``_a2_by_slot``): the slots of a BM <= 128 alignment (a larger BM allocates)
-            a2_rows = AlignedRouting.max_padded(rows, e_l or c.num_experts, 128)
-        shapes.update(quantized_layout("a2", self.scheme.a2, a2_rows, i, c.dtype))
+        shapes.update(quantized_layout("a2", self.scheme.a2, rows, i, c.dtype))
         on_load = 0  # act(h) rows GEMM2 may quantize on load: the forced limit's, else pair blocks' (the rule's)
         if self._a2_loadable and self.fuse_act:
             limit = self.quant_on_load
@@ -477,11 +448,9 @@ class TritonExperts(_TritonBase):
             row_mask = _unwritten_rows(h, sch.a2, local_pairs)
             w13 = Operand(weights.w13, sch.w1)
             grouped_gemm(Operand(a, sch.a1), w13, routing, bias=weights.b13, a_div=k, out=h, config=plan.lc1)
-            src = SourceRows.of(routing) if plan.a2_by_slot else None
-            a2_rows = pairs if src is None else src.ids.numel()
-            a2_out = _a2_out(workspace, sch.a2, a2_rows, cfg.intermediate_size, dev)
+            a2_out = _a2_out(workspace, sch.a2, pairs, cfg.intermediate_size, dev)
             act_scales = weights.act_scales("a2", sch.a2)
-            a2 = act_and_quantize(h, cfg, sch.a2, out=a2_out, row_mask=row_mask, src_rows=src, **act_scales)
+            a2 = act_and_quantize(h, cfg, sch.a2, out=a2_out, row_mask=row_mask, **act_scales)
             a2 = a2 if isinstance(a2, QTensor) else QTensor(a2, tuple(a2.shape))
         if not plan.same_blocks:  # the w4 kernel's prefill: GEMM2 takes a larger BM than GEMM1
             bm = plan.lc2.block_m

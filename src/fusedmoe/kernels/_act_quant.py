@@ -134,10 +134,7 @@ def _act_quant_kernel(
     gs_ptr,  # nvfp4 global scale [1]
     amax_ptr,  # [1] fp32, zeroed: the running amax of per-tensor dynamic scales (PASS 2: n_amax int32 |bits|)
     rmask_ptr,  # [M] uint8 (ROW_MASK): rows to compute; the others are neither read nor written
-    src_ptr,  # [M] int32 (SRC_ROWS): the input row of each output row; n_src or more: none
-    npad_ptr,  # [1] int32 (SRC_ROWS): output rows in use (moe_align's num_padded), on the device
     M,
-    n_src,  # SRC_ROWS: rows of the input
     I,
     stride_xm,
     stride_qm,
@@ -151,7 +148,6 @@ def _act_quant_kernel(
     SCALE: tl.constexpr,  # "none" | "tensor_static" | "tensor_dyn" | "token" | "group"
     GROUP: tl.constexpr,
     ROW_MASK: tl.constexpr,
-    SRC_ROWS: tl.constexpr,  # output row r is input row src[r] (a2 by slot: ``act_quant_launch``)
     PASS: tl.constexpr,  # tensor_dyn: 1 amax, 2 quantize; 0 both in one program (grid (1, 1))
     EXACT_CAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -171,11 +167,6 @@ def _act_quant_kernel(
         row_ok = rows < M
         if ROW_MASK:
             row_ok = row_ok & (tl.load(rmask_ptr + rows, mask=row_ok, other=0) != 0)
-        x_rows = rows
-        if SRC_ROWS:  # padding slots and slots past the used ones are neither read nor written
-            row_ok = row_ok & (rows < tl.load(npad_ptr))
-            x_rows = tl.load(src_ptr + rows, mask=row_ok, other=0)
-            row_ok = row_ok & (x_rows < n_src)
         q_row = q_ptr + rows[:, None].to(tl.int64) * stride_qm
         s_row = s_ptr + rows.to(tl.int64) * stride_sm
 
@@ -184,19 +175,19 @@ def _act_quant_kernel(
             for k0 in range(0, I, BLOCK_K):
                 cols = k0 + tl.arange(0, BLOCK_K)
                 mask = row_ok[:, None] & (cols < I)[None, :]
-                v = _activation(x_ptr, x_rows, cols, mask, stride_xm, I, alpha, limit, ACT, INTERLEAVED)
+                v = _activation(x_ptr, rows, cols, mask, stride_xm, I, alpha, limit, ACT, INTERLEAVED)
                 amax = tl.maximum(amax, tl.max(tl.where(mask, _abs_bits(v), 0), axis=1))
             s = _scale_of(amax.to(tl.float32, bitcast=True), QUANT)
             tl.store(s_row, s, mask=row_ok)
             for k0 in range(0, I, BLOCK_K):
                 cols = k0 + tl.arange(0, BLOCK_K)
                 mask = row_ok[:, None] & (cols < I)[None, :]
-                v = _activation(x_ptr, x_rows, cols, mask, stride_xm, I, alpha, limit, ACT, INTERLEAVED)
+                v = _activation(x_ptr, rows, cols, mask, stride_xm, I, alpha, limit, ACT, INTERLEAVED)
                 tl.store(q_row + cols[None, :], _quant_linear(v, s[:, None], QUANT, EXACT_CAST), mask=mask)
         else:
             cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
             mask = row_ok[:, None] & (cols < I)[None, :]
-            v = _activation(x_ptr, x_rows, cols, mask, stride_xm, I, alpha, limit, ACT, INTERLEAVED)
+            v = _activation(x_ptr, rows, cols, mask, stride_xm, I, alpha, limit, ACT, INTERLEAVED)
             if QUANT == "none":
                 _store_float(q_row + cols[None, :], v, mask, EXACT_CAST)
             elif SCALE == "tensor_dyn" and PASS == 1:

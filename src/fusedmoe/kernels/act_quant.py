@@ -17,7 +17,7 @@ model dtype (2 bytes per element each way) and one launch. The references are
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
@@ -84,21 +84,6 @@ def _kind(tq: TensorQuant | None, scale: torch.Tensor | None) -> tuple[str, str,
     return quant, "group", gs
 
 
-@dataclass(frozen=True)
-class SourceRows:
-    """Output rows by slot (``act_quant_launch``): output row s is input row ``ids[s]`` (int32
-    [S]); a slot whose id is the input's row count or more (moe_align's padding), or at or past
-    ``num_used[0]`` (int32 [1] on the device), is neither read nor written."""
-
-    ids: torch.Tensor
-    num_used: torch.Tensor
-
-    @staticmethod
-    def of(routing) -> SourceRows:
-        """The slots of ``moe_align``'s routing (not pair blocks)."""
-        return SourceRows(routing.sorted_ids, routing.num_padded)
-
-
 def act_quant_launch(
     x: torch.Tensor,
     tq: TensorQuant | None,
@@ -113,7 +98,6 @@ def act_quant_launch(
     out: QTensor | torch.Tensor | None = None,
     row_mask: torch.Tensor | None = None,
     amax: torch.Tensor | None = None,
-    src_rows: SourceRows | None = None,
 ) -> QTensor | torch.Tensor:
     """Launch ``_act_quant_kernel`` (twice for per-tensor dynamic scales, or once, one program,
     where one tile holds the tensor: ``_one_program_tile``; once over the grid where ``amax``
@@ -127,8 +111,6 @@ def act_quant_launch(
     ``amax``: a per-tensor dynamic scale's abs-max of ``x``, already there (fp32 [1], as the first
     pass leaves it; raised by GEMM1's epilogue, ``ActEpilogue.track_amax``, or its int32 per-program
     slots, ``amax_slots``): only the codes pass runs.
-    ``src_rows``: the output has a row per slot of ``src_rows.ids`` (``SourceRows``), row s computed
-    from x's row ids[s]; per-row and static scales only.
     """
     # 101 lines: maps every tensor to the kernel's pointers, strides and constexprs in its argument order; split, that
     # order would be spread over several functions.
@@ -137,17 +119,11 @@ def act_quant_launch(
     x = x if x.stride(-1) == 1 else x.contiguous()
     gated = activation != "none" and Activation(activation).is_gated
     m, cols = x.shape[0], x.shape[1] // 2 if gated else x.shape[1]
-    n_src = m
-    if src_rows is not None:
-        m = src_rows.ids.numel()
-        expect(row_mask is None, "row_mask", "None with src_rows (the slots name the rows)", "a mask")
     if gated:
         expect(x.shape[1] % 2 == 0, "x", "an even number of columns [M, 2I] for a gated activation", x.shape)
     if row_mask is not None:
         expect(tuple(row_mask.shape) == (m,) and row_mask.dtype == torch.bool, "row_mask", f"bool [{m}]", row_mask)
     quant, kind, group = _kind(tq, scale)
-    if src_rows is not None:
-        expect(kind != "tensor_dyn", "src_rows", "a scheme with per-row or static scales", tq)
     if amax is not None:
         expect(kind == "tensor_dyn", "amax", "given only for a per-tensor dynamic scale", tq)
         amax = known_amax(amax)
@@ -201,9 +177,7 @@ def act_quant_launch(
             data if gscale is None else gscale,
             amax,
             data if row_mask is None else row_mask.view(torch.uint8),
-            *((data, data) if src_rows is None else (src_rows.ids, src_rows.num_used)),
             m,
-            n_src,
             cols,
             x.stride(0),
             q_arg.stride(0),
@@ -219,7 +193,6 @@ def act_quant_launch(
             SCALE=kind,
             GROUP=group,
             ROW_MASK=row_mask is not None,
-            SRC_ROWS=src_rows is not None,
             EXACT_CAST=interpreting(),
             BLOCK_M=bm,
             BLOCK_K=bk,
@@ -341,21 +314,17 @@ def act_and_quantize(
     global_scale: torch.Tensor | None = None,
     out: QTensor | torch.Tensor | None = None,
     row_mask: torch.Tensor | None = None,
-    src_rows: SourceRows | None = None,
 ) -> QTensor | torch.Tensor:
     """``config.activation`` of GEMM1's output ``h`` [M, 2I] (or [M, I] for *_no_mul), then
     quantized as ``tq`` (the scheme's a2) says; with ``tq`` None, [M, I] in ``config.dtype``.
 
     The activation runs in fp32 and is quantized without an intermediate rounding to
     the model dtype. ``row_mask`` (bool [M]): only these rows are computed (``act_quant_launch``).
-    ``src_rows``: one output row per slot, from h's row of that slot (``SourceRows``); the rows
-    of unused and padding slots are not to be read (the kernel leaves them as they were).
     """
     if not _use_kernel(h):
-        if src_rows is not None:
-            h, row_mask = _by_slot(h, src_rows)
-        res = act_and_quantize_ref(_zero_masked(h, row_mask), config, tq, scale=scale, global_scale=global_scale)
-        return _fill(out, res)
+        return _fill(
+            out, act_and_quantize_ref(_zero_masked(h, row_mask), config, tq, scale=scale, global_scale=global_scale)
+        )
     return act_quant_launch(
         h,
         tq,
@@ -368,17 +337,7 @@ def act_and_quantize(
         out_dtype=config.dtype,
         out=out,
         row_mask=row_mask,
-        src_rows=src_rows,
     )
-
-
-def _by_slot(h: torch.Tensor, src: SourceRows) -> tuple[torch.Tensor, torch.Tensor]:
-    """h's rows in slot order ([S, .], zeros where a slot names no row) and the slots that do."""
-    ids = src.ids.long()
-    used = (torch.arange(ids.numel(), device=ids.device) < src.num_used.reshape(()).long()) & (ids < h.shape[0])
-    out = torch.zeros(ids.numel(), h.shape[1], dtype=h.dtype, device=h.device)
-    out[used] = h[ids[used]]
-    return out, used
 
 
 def act_and_quantize_ref(

@@ -283,9 +283,6 @@ def grouped_gemm(
          as GEMM1's abs-max epilogue leaves it (fp32 [1] or int32 slots, ``ActEpilogue``).
          Native w8a8 weights only.
     config.block_m is replaced by ``routing.block_m`` (the tile is the aligned block).
-    A by slot: ``a`` with one row per slot of ``routing.sorted_ids`` (a_div = 1, as
-    ``act_and_quantize(src_rows=...)`` writes a2) is read through a tensor descriptor by the
-    persistent kernel, which ``config`` must then select (``by_slot_why``).
     Rows of C that belong to no local pair keep their contents (``out``) or are
     uninitialised (a new tensor).
     """
@@ -293,13 +290,7 @@ def grouped_gemm(
     fmt, cfg, out_dtype, n = _prepare(a, w, bias, out_dtype, num_pairs, config, act, act_scale, quantize_a, a_amax)
     cfg = replace(cfg, block_m=routing.block_m)
     rows = a.shape[0]
-    slots = None if routing.pair_blocks else routing.sorted_ids.numel()
-    by_slot = a_div == 1 and rows == slots and rows != num_pairs  # BM >= 2 pads: slots > pairs
-    if by_slot:
-        why = by_slot_why(fmt, cfg, act, quantize_a)
-        expect(why is None, "a", f"rows by pair ({num_pairs}), or by slot ({slots}) in a call that reads them", why)
-    else:
-        expect(rows * a_div == num_pairs, "a", f"{num_pairs // max(a_div, 1)} rows for a_div={a_div}", rows)
+    expect(rows * a_div == num_pairs, "a", f"{num_pairs // max(a_div, 1)} rows for a_div={a_div}", rows)
     if out is None:
         out = torch.empty(num_pairs, n, dtype=out_dtype, device=a.data.device)
     expect(tuple(out.shape) == (num_pairs, n), "out", f"shape {(num_pairs, n)}", tuple(out.shape))
@@ -312,7 +303,6 @@ def grouped_gemm(
         topk_weights = topk_weights if topk_weights.dtype in _ROUTE_DTYPES else topk_weights.float()
         topk_weights = topk_weights.contiguous()
     if not _use_kernel(a.data):
-        a = _pair_rows(a, routing) if by_slot else a
 
         def ref_fn(ep):
             return grouped_gemm_ref(
@@ -325,55 +315,6 @@ def grouped_gemm(
                     a_amax=a_amax)  # fmt: skip
     grouped_gemm_launch(a, w, out, fmt, cfg, call)
     return out
-
-
-def by_slot_why(fmt: GemmFormat, cfg: LaunchConfig, act: ActEpilogue | None = None, quantize_a=None) -> str | None:
-    """Why a GEMM with A by slot (``grouped_gemm``) cannot run with ``cfg``, or None: the
-    persistent kernel reads such rows, so ``cfg`` must select it and it must serve the format."""
-    if not cfg.persistent:
-        return f"config {cfg} is not persistent (A by slot is read by the persistent kernel only)"
-    if quantize_a is not None:
-        return "A quantized as it is loaded: the non-persistent kernel's feature"
-    return _persistent.supports(fmt, act, cfg=cfg)
-
-
-def _used_slots(routing: AlignedRouting) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int64 pair of each slot, bool: the slot holds a pair)."""
-    ids = routing.sorted_ids.long()
-    n = ids.numel()
-    return ids, (torch.arange(n, device=ids.device) < routing.num_padded.reshape(()).long()) & (ids < routing.num_pairs)
-
-
-def _pair_rows(a: Operand, routing: AlignedRouting) -> Operand:
-    """Slot-ordered A (and its per-row scales) back in pair order, for the reference."""
-    ids, used = _used_slots(routing)
-
-    def back(t: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros(routing.num_pairs, *t.shape[1:], dtype=t.dtype, device=t.device)
-        out[ids[used]] = t[used]
-        return out
-
-    q = a.q
-    per_row = q.scale is not None and a.quant is not None and a.quant.granularity.kind != "tensor"
-    scale = back(q.scale) if per_row else q.scale
-    return Operand(replace(q, data=back(q.data), scale=scale, shape=(routing.num_pairs, *q.shape[1:])), a.quant)
-
-
-def slot_rows(a: Operand, routing: AlignedRouting) -> Operand:
-    """A by pair [T*K, K] (and its per-row scales) in ``routing``'s slot order, zeros in the
-    padding slots: what ``act_and_quantize(src_rows=...)`` writes, made by copies (the tuner's
-    GEMM2 operand where the layer takes a2 by slot)."""
-    ids, used = _used_slots(routing)
-
-    def to_slots(t: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros(ids.numel(), *t.shape[1:], dtype=t.dtype, device=t.device)
-        out[used] = t[ids[used]]
-        return out
-
-    q = a.q
-    per_row = q.scale is not None and a.quant is not None and a.quant.granularity.kind != "tensor"
-    scale = to_slots(q.scale) if per_row else q.scale
-    return Operand(replace(q, data=to_slots(q.data), scale=scale, shape=(ids.numel(), *q.shape[1:])), a.quant)
 
 
 def grouped_gemm_batched(

@@ -23,7 +23,7 @@ import torch
 from ...experts.triton import TritonExperts
 from ...kernels.align import moe_align, moe_align_ref, pair_blocks
 from ...kernels.gemm_format import ActEpilogue, GemmCall, GemmFormat, scheme_key
-from ...kernels.grouped_gemm import by_slot_why, grouped_gemm, slot_rows
+from ...kernels.grouped_gemm import grouped_gemm
 from ...kernels.grouped_gemm_w4 import default_w4_config, fit_w4_config, w4_gemm_launch, w4_scheme_key
 from ...kernels.launch_config import LaunchConfig, default_launch_config, fit_launch_config, gated_act_config
 from ...quant import Operand, QuantScheme, quantize
@@ -86,8 +86,6 @@ class StepOperands:
     ref_align: bool = False  # workers: moe_align_ref (no align kernels to compile, same shapes)
     routes: dict = field(default_factory=dict)
     act: ActEpilogue | None = None  # w4 GEMM1: the layer's fused activation (module docstring)
-    a2_by_slot: bool = False  # GEMM2 of a layer that writes a2 by slot where the config allows
-    slots: dict = field(default_factory=dict)  # A in slot order per BM (``launch``)
 
     @property
     def w4(self) -> bool:
@@ -141,13 +139,8 @@ def launch(op: StepOperands, cfg: LaunchConfig, routing) -> torch.Tensor:
         call = GemmCall(routing, a_div=op.a_div, bias=op.bias, route_weights=op.topk_weights)
         p = w4_gemm_launch(op.a, op.w, op.out, op.fmt, cfg, call, reduce=False)
         return op.out if p is None else p
-    a = op.a
-    if op.a2_by_slot and not routing.pair_blocks and by_slot_why(op.fmt, cfg) is None:
-        if routing.block_m not in op.slots:  # as the layer's act_and_quantize writes it
-            op.slots[routing.block_m] = slot_rows(op.a, routing)
-        a = op.slots[routing.block_m]
     return grouped_gemm(
-        a, op.w, routing, bias=op.bias, topk_weights=op.topk_weights, a_div=op.a_div, out=op.out, config=cfg
+        op.a, op.w, routing, bias=op.bias, topk_weights=op.topk_weights, a_div=op.a_div, out=op.out, config=cfg
     )
 
 
@@ -184,12 +177,7 @@ def step_operands(config, scheme, weights, gemm: str, t: int, device, ids, route
     a = torch.randn(rows, kd, generator=g, device=device).to(config.dtype)
     aq = quantize(a, aq_t) if aq_t is not None else None
     n, w4 = w.shape[1], is_w4(w)
-    experts = TritonExperts(config, scheme)
-    act = experts.act_epilogue() if w4 and gemm == "w13" else None
-    # the layer's GEMM2 reads a2 by slot where GEMM1 is unfused and a2's scales are per row
-    # (``TritonExperts._a2_by_slot``; the config's part is checked per launch)
-    tensor_dynamic = aq_t is not None and aq_t.dynamic and aq_t.granularity.kind == "tensor"
-    by_slot = gemm == "w2" and not w4 and experts.act_epilogue() is None and not tensor_dynamic
+    act = TritonExperts(config, scheme).act_epilogue() if w4 and gemm == "w13" else None
     return StepOperands(
         gemm=gemm,
         e=config.num_experts,
@@ -205,7 +193,6 @@ def step_operands(config, scheme, weights, gemm: str, t: int, device, ids, route
         ids=ids,
         out=torch.empty(t * k, n if act is None else act.out_cols(n), dtype=config.dtype, device=device),
         act=act,
-        a2_by_slot=by_slot,
     )
 
 
