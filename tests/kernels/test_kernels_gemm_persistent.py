@@ -313,6 +313,7 @@ _HALVES_CASES = {
     "batched": ("fp8_block64x64", 160, False, 128, 2, (5, 0, 9, 3)),
     "gated_keeps_its_split": ("fp8_block64x64", 256, True, 128, 1, None),
     "one_block_wide": ("fp8_block64x64", 128, False, 64, 1, None),
+    "g128_output_wider_than_a_half": ("fp8_block64x64", 128, "relu2_g128", 128, 1, None),
 }
 
 
@@ -324,6 +325,8 @@ def test_block_halves(case):
     scheme, n, gated, bn, want, counts = _HALVES_CASES[case]
     sch = SCHEMES[scheme]
     act = _ep(Activation.SILU, False) if gated else None
+    if gated == "relu2_g128":  # not gated, but fp8 1 x 128 output groups: a 64-column half cannot hold one
+        act = _ep(Activation.RELU2_NO_MUL, False, _G128)
     cfg = dataclasses.replace(CFG, block_n=bn)
     assert halves(GemmFormat.of(sch.w1, sch.a1, n, 128), cfg, act) == want
     run(Run(sch, gemm="gemm1" if gated else "gemm2", n=n, kd=128, act=act, cfg=cfg, counts=counts))

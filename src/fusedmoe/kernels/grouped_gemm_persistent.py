@@ -317,7 +317,9 @@ def halves(fmt: GemmFormat, cfg: LaunchConfig, act: ActEpilogue | None) -> int:
     holds two [BM, BN / 2] accumulators and one partial product."""
     gated = act is not None and act.activation.is_gated
     block = fmt.native and fmt.w_bn > 0 and fmt.w_bk > 0
-    return 2 if block and not gated and cfg.block_n == 2 * fmt.w_bn else 1
+    # the epilogue then works a half at a time: dynamic output groups must fit in one
+    groups = act is not None and _dynamic_group_fp8(act.quant) and (cfg.block_n // 2) % act.quant.granularity.group_size
+    return 2 if block and not gated and not groups and cfg.block_n == 2 * fmt.w_bn else 1
 
 
 def _constexprs(fmt, cfg, act, batched, bias, route_weights, oq, n) -> dict:
