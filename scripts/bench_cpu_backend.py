@@ -1,6 +1,6 @@
 """The ``cpu`` backend against a transformers-style per-expert loop, on the CPU, bf16.
 
-    python scripts/bench_cpu_backend.py [--tokens 1,16,64,256] [--out FILE]
+    python scripts/bench_cpu_backend.py [--tokens 1,16,64,256] [--rounds 7] [--out FILE]
 
 The loop is the one transformers' MoE blocks ship (a one-hot mask, the experts hit, a gather, gate/up
 linear, SiLU x up, down linear times the router weight, ``index_add_``); both run on the same weights

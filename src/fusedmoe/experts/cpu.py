@@ -67,7 +67,7 @@ from .reference import batch_invariant_mm
 # an expert, W 0.9-1.8 M values) 50,555 -> 25,485 us from 8 rows on, but the Qwen3 sibling at T =
 # 64 (W 0.1-0.2 M values) 38,904 -> 44,535 with 8 and 36,876 with 16; at 4 rows the layer lost
 # (Mixtral sibling T = 16, ~4 rows an expert: 14,043 -> 15,414)
-UPCAST_ROWS = ((1 << 19, 8), (0, 16))
+UPCAST_ROWS = ((1 << 19, 8), (0, 16))  # (W values at least, rows from): the first that W reaches
 _UPCAST_FEWEST = min(r for _, r in UPCAST_ROWS)
 
 
