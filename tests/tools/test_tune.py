@@ -422,3 +422,42 @@ def test_spawned_workers_warm_what_the_main_process_runs(tmp_path):
     assert rep.workers == 1 and rep.jobs >= 3
     assert rep.total("key_checked") >= 3 and rep.total("key_mismatch") == 0
     assert len(rep.files) == 2
+
+
+@pytest.mark.parametrize("shipped_wins", [True, False], ids=["shipped_fastest", "candidate_fastest"])
+def test_the_shipped_entry_is_screened_retimed_and_beaten_only_by_a_faster_one(tmp_path, monkeypatch, shipped_wins):
+    """The table's entry for a step (here outside the tiny space: BK 64, 3 stages) is ranked second,
+    right after the heuristic, so a budget cut cannot leave it out; it is re-timed beside the
+    finalists, and the winner is the fastest of them (``x shipped`` in the summary)."""
+    from fusedmoe.kernels.tuned_configs import config_path
+
+    shipped = LaunchConfig(16, 64, 64, 1, 4, 3)
+    users = tmp_path / "user"
+    entry = {"configs": {"2": {f: getattr(shipped, f) for f in LaunchConfig.__dataclass_fields__}}}
+    for n, k in ((64, 64), (64, 32)):  # GEMM1 [2I, H], GEMM2 [H, I]
+        path = config_path(users, "cpu-interpreter", "bf16", 4, n, k)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(entry))
+    monkeypatch.setenv(env.CONFIG_DIR, str(users))
+    tuned_configs.clear_cache()
+    fast = shipped if shipped_wins else LaunchConfig(16, 32, 32, 1, 4, 2)
+    ft = FakeTime(lambda cfg: 0.25 if cfg == fast else 1.0)
+    try:
+        rep = tune_many(["tiny-a"], ["bf16"], [1], out_dir=tmp_path / "out", space="tiny", device="cpu",
+                        timer=ft.timer, clock=ft.clock, top=1)  # fmt: skip
+    finally:
+        tuned_configs.clear_cache()
+    # planning in the full-size space: the entry right after the heuristic, inside any budget's head
+    tuned_configs.clear_cache()
+    plan = runner._Run([Combo("tiny-a", "bf16")], [1], [], space="quick", device="cpu", out_dir=None,
+                       gpu="cpu-interpreter", budget_s=None, pool=pool.WarmPool(0), timer=runner._no_timer,
+                       clock=ft.clock, knobs=(8.0, 60.0, 3))  # fmt: skip
+    plan.plan_all()
+    ranked = [c for c, _ in plan.plan[(0, "w13", 1)]]
+    assert len(ranked) > space.MIN_CANDIDATES + 1 and ranked[1] == shipped and shipped not in ranked[2:]
+    tuned_configs.clear_cache()
+    for r in rep.combos[0].steps.values():
+        assert r.shipped == shipped and r.shipped_ms == (0.25 if shipped_wins else 1.0)
+        assert r.cfg == fast
+    assert "| x shipped |" in rep.markdown()
+    assert ("4.00" if not shipped_wins else "1.00") in rep.markdown().split("| x shipped |")[1]

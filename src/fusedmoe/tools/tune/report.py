@@ -37,6 +37,8 @@ class StepResult:
     cold: int = 0  # compiled in the main process after all (first run > 0.5 s on a GPU)
     key_checked: int = 0
     key_mismatch: int = 0
+    shipped: LaunchConfig | None = None  # the table's entry the layer ran before this run (re-timed)
+    shipped_ms: float = 0.0
 
     @property
     def speedup(self) -> float:
@@ -163,8 +165,8 @@ def _summary(rep: TuneReport) -> str:
         lines += [f"## {cr.combo.name}" + (f" (error: {cr.error})" if cr.error else ""), "", ", ".join(names), ""]
         lines += [
             "| T | GEMM1 config | ms | heuristic ms | x | GEMM2 config | ms | heuristic ms | x | both x |"
-            " screened/kept/space | rejected failed late |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            " screened/kept/space | rejected failed late | x shipped |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for t in sorted({t for _, t in cr.steps}):
             a, b = cr.steps.get(("w13", t)), cr.steps.get(("w2", t))
@@ -178,6 +180,7 @@ def _summary(rep: TuneReport) -> str:
                 f"{_ratio(a.heuristic_ms + b.heuristic_ms, a.ms + b.ms):.2f}" if a and b else "-",
                 ", ".join(f"{r.screened}/{r.kept}/{r.planned}" for r in rs),
                 ", ".join(f"{len(r.rejected)} {r.failed} {r.late}" for r in rs),
+                ", ".join(f"{_ratio(r.shipped_ms, r.ms):.2f}" if r.shipped else "-" for r in rs),
             ]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
@@ -185,5 +188,9 @@ def _summary(rep: TuneReport) -> str:
         lines += [f"Not tuned ({rep.stopped or 'failed'}): " + "; ".join(rep.skipped), ""]
     if rep.unsupported:
         lines += ["Not tunable (the scheme cannot store the shape): " + "; ".join(rep.unsupported), ""]
-    lines.append("Config: BM,BN,BK,GROUP_M,warps,stages. x: heuristic ms / tuned ms (same run, CUDA-graph replays).")
+    lines.append(
+        "Config: BM,BN,BK,GROUP_M,warps,stages. x: heuristic ms / tuned ms (same run, CUDA-graph replays); x shipped:"
+        " the table entry the layer ran before this run / tuned (re-timed in the run; '-': no entry, or it failed"
+        " the screen)."
+    )
     return "\n".join(lines)
