@@ -10,6 +10,8 @@
 # Knobs (environment): BUDGET_S (the tuner's wall-clock budget, default 480 s), TOKENS,
 # EXTRA_TOKENS, PRESETS, SCHEMES, SPACE, WORKERS, TUNE_ARGS (more `fusedmoe tune` options).
 # SCHEMES=int4_g128,mxfp4 tunes the 4-bit kernel (its tables: <gpu>/int4_g128_w4, mxfp4_g32_w4).
+# APPLY=1 also unpacks the tables into src/fusedmoe/kernels/configs/ of this tree, so that a
+# `bash scripts/lab_ab.sh` later in the same device call benches them against .out/old's.
 set -uo pipefail
 OUT=${OUT:-./.out}
 BUDGET_S=${BUDGET_S:-480}
@@ -34,6 +36,9 @@ echo "fusedmoe tune: exit $rc after ${SECONDS}s" | tee -a "$LOG"
 mkdir -p "$WORK/configs"
 tar czf "$OUT/tuned_configs.tgz" -C "$WORK/configs" .
 echo "$(tar tzf "$OUT/tuned_configs.tgz" | grep -c '\.json$') files in $OUT/tuned_configs.tgz" | tee -a "$LOG"
+if [ "${APPLY:-0}" = 1 ]; then
+  tar xzf "$OUT/tuned_configs.tgz" -C src/fusedmoe/kernels/configs/ && echo "applied to src/fusedmoe/kernels/configs/" | tee -a "$LOG"
+fi
 grep -E "^\[|^# |stopped|Not tuned" "$LOG" | grep -vE "rejected|did not compile" | tail -30
 [ -f "$OUT/tune_summary.md" ] && head -c 6000 "$OUT/tune_summary.md"
 exit $rc
