@@ -266,7 +266,8 @@ def test_cpu_backend_fp32_gemms_match_the_half_precision_ones(dtype, upcast, mon
         monkeypatch.setattr(cpu_mod, "_dnn_linear", lambda: None)
     else:
         dnn = cpu_mod._dnn_linear()
-        assert dnn is not None, "this PyTorch has no oneDNN linear: the fp32_onednn case cannot run"
+        if dnn is None and upcast == "fp32_onednn":  # the fp32_mm case runs the path such builds take
+            pytest.skip("this PyTorch build has no oneDNN linear")
         monkeypatch.setattr(cpu_mod, "_dnn_linear", lambda: lambda *a: gemms.append(1) or dnn(*a))
     out = poison_(torch.empty(64, 96, dtype=dtype))
     CpuExperts(config, s).apply(d.a, d.topk, prob.weights, out)
