@@ -32,4 +32,7 @@ for r in $RUNS; do
 done
 first=${VARIANTS%% *}
 grep "launches" "$OUT/${first%%:*}/bench.md" | grep -E "T=1:" | cut -c1-200
+if [ -f "$OUT/old/bench.json" ]; then  # every variant against the old tree: per cell and geometric mean
+  python3 scripts/ab_ratios.py "$OUT/old/bench.json" $(for r in $RUNS; do [ "$r" != old ] && echo "$OUT/$r/bench.json"; done)
+fi
 rm -f "$OUT"/*/bench.png  # the device returns 8 files at most: the tables, not the plots
