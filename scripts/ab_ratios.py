@@ -10,8 +10,9 @@ either file is listed as such. ``scripts/lab_ab.sh`` prints this after its runs.
 from __future__ import annotations
 
 import json
-import math
 import sys
+
+from fusedmoe.tools.peers import geomean
 
 
 def graph_ms(path: str) -> dict:
@@ -26,16 +27,15 @@ def graph_ms(path: str) -> dict:
 
 def ratios(old: dict, new: dict) -> list[str]:
     """A line per cell (old ms, new ms, old / new) and the geometric mean of the ratios."""
-    lines, logs = [], []
-    for cell in sorted(old.keys() | new.keys(), key=lambda c: (c[0], c[1], c[2])):
+    lines, xs = [], []
+    for cell in sorted(old.keys() | new.keys()):
         if cell not in old or cell not in new:
             lines.append(f"{' '.join(map(str, cell))}: only in {'old' if cell in old else 'new'}")
             continue
-        x = old[cell] / new[cell]
-        logs.append(math.log(x))
-        lines.append(f"{cell[0]} {cell[1]} T={cell[2]}: {old[cell]:.4f} -> {new[cell]:.4f} ms, x {x:.3f}")
-    if logs:
-        lines.append(f"geometric mean x {math.exp(sum(logs) / len(logs)):.3f} over {len(logs)} cells")
+        xs.append(old[cell] / new[cell])
+        lines.append(f"{cell[0]} {cell[1]} T={cell[2]}: {old[cell]:.4f} -> {new[cell]:.4f} ms, x {xs[-1]:.3f}")
+    if xs:
+        lines.append(f"geometric mean x {geomean(xs):.3f} over {len(xs)} cells")
     return lines
 
 

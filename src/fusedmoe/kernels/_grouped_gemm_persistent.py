@@ -327,11 +327,12 @@ def _persistent_gemm_kernel(
         g0 = w_row - (e * N_W).to(tl.int32)  # the expert's W row of the accumulator's first column
         g_cols = g0 + tl.arange(0, BNL)  # W rows of the accumulator's columns
         g_ok = g_cols < N_W  # columns past N are masked at the store; these keep scale loads in bounds
-        u_cols = g_cols + (BNL if HALVES == 2 else N)  # the up rows, or the second half's
+        u_off = BNL if HALVES == 2 else N  # W rows from the accumulator's to the up rows', or the second half's
+        u_cols = g_cols + u_off
         u_ok = u_cols < N_W
         # the second half's weight block (one scale a step): a half past N_W reads zeros (or the
         # next expert's rows, masked at the store) and keeps its scale load in bounds
-        u0 = tl.minimum(g0 + BNL, N_W - 1) if HALVES == 2 else g0 + N
+        u0 = tl.minimum(g0 + u_off, N_W - 1) if HALVES == 2 else g0 + u_off
         acc = tl.zeros([BLOCK_M, BNL], dtype=ACC_DTYPE)
         acc_u = acc  # the up rows' accumulator: carried only under a split-layout gated ACT
         # a dead block (expert -1: not local; batched: past counts[e]) runs no K step and
@@ -346,7 +347,7 @@ def _persistent_gemm_kernel(
                 W_FMT, A_GROUP, W_BN, W_BK, W_UNIFORM, NATIVE, INT_ACC, DOT_DTYPE, 1.0, False,
             )  # fmt: skip
             if (GATED and not INTERLEAVED) or HALVES == 2:
-                b_u = _w_operand(w_desc, w_row + (BNL if HALVES == 2 else N), k0, W_FMT, NATIVE, DOT_DTYPE)
+                b_u = _w_operand(w_desc, w_row + u_off, k0, W_FMT, NATIVE, DOT_DTYPE)
                 acc_u = _mac(
                     acc_u, a, b_u, as_row_ptr, row_ok, ws_base, u_cols, u_ok, u0, k0, stride_ask, stride_wsn,
                     stride_wsk, W_FMT, A_GROUP, W_BN, W_BK, W_UNIFORM, NATIVE, INT_ACC, DOT_DTYPE, 1.0, False,
