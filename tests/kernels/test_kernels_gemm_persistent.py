@@ -484,6 +484,7 @@ _KNOBS = {
     "subtile2": dict(epilogue_subtile=2),
     "group_m1": dict(group_m=1),
     "bm32_bn64": dict(block_m=32, block_n=64, group_m=4),
+    "two_per_sm": dict(programs_per_sm=2),  # twice the programs: each walks fewer tiles
 }
 
 
@@ -530,16 +531,19 @@ def test_supports():
 
 
 def test_launch_config_fields():
-    cfg = LaunchConfig.parse("128,256,64,8,8,3,persistent=1,warp_specialize=1,flatten=0,epilogue_subtile=2")
+    text = "128,256,64,8,8,3,persistent=1,warp_specialize=1,flatten=0,epilogue_subtile=2,programs_per_sm=2"
+    cfg = LaunchConfig.parse(text)
     assert cfg == LaunchConfig(128, 256, 64, 8, 8, 3, persistent=True, warp_specialize=True, flatten=False,
-                               epilogue_subtile=2)  # fmt: skip
+                               epilogue_subtile=2, programs_per_sm=2)  # fmt: skip
     assert eval(repr(cfg)) == cfg
     assert LaunchConfig.parse("64,128,64,8,4,3") == LaunchConfig(64, 128, 64, 8, 4, 3)
     assert not LaunchConfig().persistent
     with pytest.raises(ValueError):
         LaunchConfig(epilogue_subtile=3)
+    with pytest.raises(ValueError, match="programs_per_sm"):
+        LaunchConfig(programs_per_sm=3)
     with pytest.raises(ValueError):
-        LaunchConfig.parse("64,128,64,8,4,3,1,1,1,1,1,1,1")
+        LaunchConfig.parse("64,128,64,8,4,3,1,1,1,1,1,1,1,1")  # one more than the fields
 
 
 @needs_triton
@@ -601,11 +605,12 @@ _REAL_CFGS = [
     LaunchConfig(64, 128, 64, 8, 4, 3, persistent=True),
     LaunchConfig(128, 128, 128, 8, 8, 3, persistent=True, epilogue_subtile=2),
     LaunchConfig(128, 256, 128, 8, 8, 3, persistent=True),  # fp8 blocks: two halves (``halves``)
+    LaunchConfig(64, 128, 128, 8, 4, 3, persistent=True, programs_per_sm=2),  # two programs per SM
 ]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", _REAL_CFGS, ids=["bm64", "bm128", "bm128_bn256"])
+@pytest.mark.parametrize("cfg", _REAL_CFGS, ids=["bm64", "bm128", "bm128_bn256", "bm64_two_per_sm"])
 @pytest.mark.parametrize("gemm", ["gemm1", "gemm2"])
 @pytest.mark.parametrize("shape", REAL, ids=[f"E{s[0]}_H{s[1]}_I{s[2]}_T{s[3]}" for s in REAL])
 @pytest.mark.parametrize("scheme", ["bf16", "fp8_tensor", "fp8_block"])

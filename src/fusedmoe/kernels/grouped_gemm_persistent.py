@@ -200,9 +200,9 @@ def _ws_why(act: ActEpilogue | None, cfg: LaunchConfig, w_rows: int) -> str | No
     return "warp_specialize: gave wrong results on an H100 (relative error 0.6, kbench 2026-11-25); declined"
 
 
-def _num_programs(tiles: int) -> int:
+def _num_programs(tiles: int, per_sm: int = 1) -> int:
     sms = current_platform().sm_count if not interpreting() else _INTERPRETER_PROGRAMS
-    return max(1, min(sms or _INTERPRETER_PROGRAMS, tiles))
+    return max(1, min((sms or _INTERPRETER_PROGRAMS) * per_sm, tiles))
 
 
 def _dot_dtype(fmt: GemmFormat, a: torch.Tensor):
@@ -271,7 +271,7 @@ def persistent_gemm_launch(
     dummy = c_arg
     routing_ptrs = (None, None, None) if batched else (routing.sorted_ids, routing.block_expert, routing.num_padded)
     ensure_allocator()
-    grid = (_num_programs(rows.num_m_blocks * cdiv(n, cfg.block_n)),)
+    grid = (_num_programs(rows.num_m_blocks * cdiv(n, cfg.block_n), cfg.programs_per_sm),)
     launch(
         _persistent_gemm_kernel,
         grid,

@@ -49,7 +49,11 @@ class LaunchConfig:
     warp_specialize=True)`` on the K loop: a producer warpgroup feeding two consumer ones;
     Triton 3.6 does it for 4-warp configs with A through TMA, see ``grouped_gemm_persistent``),
     ``flatten`` (the tile loop and the K loop fused into one software pipeline; off under
-    warp_specialize), ``epilogue_subtile`` (the epilogue in 1 or 2 column halves, for registers).
+    warp_specialize), ``epilogue_subtile`` (the epilogue in 1 or 2 column halves, for registers),
+    ``programs_per_sm`` (the grid is this many programs per SM: at 2, two independent 4-warp
+    programs share an SM where their registers and shared memory fit, so that one's scale
+    promotion, barriers and epilogue overlap the other's MMAs; where two do not fit, the second
+    wave waits and the tuner measures it slower).
     """
 
     block_m: int = 64
@@ -64,6 +68,7 @@ class LaunchConfig:
     warp_specialize: bool = False
     flatten: bool = True
     epilogue_subtile: int = 1
+    programs_per_sm: int = 1
 
     def __post_init__(self) -> None:
         bm = self.block_m
@@ -80,6 +85,7 @@ class LaunchConfig:
             expect(getattr(self, f) >= 1, f"LaunchConfig.{f}", ">= 1", getattr(self, f))
         expect(self.w_major in (0, 1), "LaunchConfig.w_major", "0 or 1", self.w_major)
         expect(self.epilogue_subtile in (1, 2), "LaunchConfig.epilogue_subtile", "1 or 2", self.epilogue_subtile)
+        expect(self.programs_per_sm in (1, 2), "LaunchConfig.programs_per_sm", "1 or 2", self.programs_per_sm)
 
     @classmethod
     def parse(cls, text: str) -> LaunchConfig:

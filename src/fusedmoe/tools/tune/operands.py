@@ -97,6 +97,11 @@ class StepOperands:
         return self.act is not None and self.act.activation.is_gated
 
     @property
+    def operand_bytes(self) -> int:
+        """The wider of A's and W's stored elements (what a pipeline stage holds per value)."""
+        return max(self.a.q.data.element_size(), self.w.q.data.element_size())
+
+    @property
     def pairs(self) -> int:
         return self.ids.numel()
 

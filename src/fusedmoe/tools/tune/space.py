@@ -57,6 +57,25 @@ PERSISTENT_SPACE = dict(
     persistent=(True,),
 )
 PREFILL_ROWS = 64
+# And two 4-warp programs per SM (``programs_per_sm``): Triton's pipeline puts a CTA-wide barrier
+# around each K step's loads, so the two warpgroups of an 8-warp program promote their partial
+# products (fp8 blocks: 128 FFMA a step) while the tensor cores idle; two independent programs
+# overlap one's promotion with the other's MMAs. H200, fp8 blocks, 64 x 128 x 128 with 3 stages:
+# 1.59-1.64x over one such program per SM, and 1.07-1.14x over the shipped 8-warp 64 x 256 tiles
+# on DeepSeek-V3 at T = 4096 (PERF_LOG, eleventh session). Only tiles whose stages fit twice in an
+# SM's shared memory (``PAIRED_SMEM``) and whose accumulators fit 128 threads' registers.
+PAIRED_SPACE = dict(
+    block_m=(64, 128),
+    block_n=(128, 256),
+    block_k=(64, 128),
+    group_m=(8,),
+    num_warps=(4,),
+    num_stages=(3, 4),
+    persistent=(True,),
+    programs_per_sm=(2,),
+)
+PAIRED_SMEM = 110 << 10  # bytes of pipeline stages per program: two in an H100/H200 SM's 228 KiB
+PAIRED_TILE = 64 * 256  # accumulator elements of a 4-warp program (128 fp32 registers a thread)
 # The w4 kernel's space (``kernels.grouped_gemm_w4``; 4-bit weights, float activations): BK 128
 # (every format's pack block divides it), tensor-core tiles in both orientations, W-major
 # ("swap", W fed from registers, BM the MMA's N: BM 16-256) and C-major ("dot", BM <= 64: it
@@ -136,10 +155,13 @@ def w4_candidates(space: str, m_pairs: int, num_experts: int) -> list[LaunchConf
     return out
 
 
-def candidates(space: str, m_pairs: int, num_experts: int, block_m: int | None = None) -> list[LaunchConfig]:
+def candidates(
+    space: str, m_pairs: int, num_experts: int, block_m: int | None = None, operand_bytes: int = 2
+) -> list[LaunchConfig]:
     """The space's configs whose BM suits the rows per expert (at most 4x the need, at least 16),
     and for decode steps (``DECODE_ROWS``) the FMA path's (BM < 16, at most twice the rows), for
-    prefill steps (``PREFILL_ROWS``) the persistent kernel's.
+    prefill steps (``PREFILL_ROWS``) the persistent kernel's, one and two programs per SM
+    (``PAIRED_SPACE``; ``operand_bytes``, the wider of A's and W's elements, sizes their stages).
 
     ``block_m`` pins BM: the layer aligns the pairs once, with GEMM1's BM, and GEMM2 runs
     on that alignment, so GEMM2 is tuned under the BM GEMM1 chose (tuning it freely
@@ -153,7 +175,7 @@ def candidates(space: str, m_pairs: int, num_experts: int, block_m: int | None =
     if space != "tiny" and rows <= DECODE_ROWS:
         grids.append(dict(DECODE_SPACE))
     if space != "tiny" and rows >= PREFILL_ROWS:
-        grids.append(dict(PERSISTENT_SPACE))
+        grids += [dict(PERSISTENT_SPACE), dict(PAIRED_SPACE)]
     need = max(16, 4 * m_pairs // max(1, num_experts))
     out = []
     for grid in grids:
@@ -167,9 +189,17 @@ def candidates(space: str, m_pairs: int, num_experts: int, block_m: int | None =
                 ok = block_m is not None or cfg.block_m <= max(1, 2 * math.ceil(rows))
             else:
                 ok = cfg.block_m <= need or cfg.block_m == 16
-            if ok and (cfg.group_m == 1 or rows > cfg.block_m):
+            if ok and (cfg.group_m == 1 or rows > cfg.block_m) and _fits_paired(cfg, operand_bytes):
                 out.append(cfg)
     return out
+
+
+def _fits_paired(cfg: LaunchConfig, operand_bytes: int) -> bool:
+    """A two-per-SM config's stages fit twice in shared memory and its accumulator in registers."""
+    if cfg.programs_per_sm == 1:
+        return True
+    stages = (cfg.block_m + cfg.block_n) * cfg.block_k * operand_bytes * cfg.num_stages
+    return stages <= PAIRED_SMEM and cfg.block_m * cfg.block_n <= PAIRED_TILE
 
 
 def by_distance(cfgs: list[LaunchConfig], ref: LaunchConfig) -> list[LaunchConfig]:
@@ -179,6 +209,7 @@ def by_distance(cfgs: list[LaunchConfig], ref: LaunchConfig) -> list[LaunchConfi
     def dist(c: LaunchConfig) -> float:
         tiles = sum(abs(math.log2(getattr(c, f) / getattr(ref, f))) for f in ("block_m", "block_n", "block_k"))
         knobs = (c.group_m != ref.group_m) + (c.num_warps != ref.num_warps) + abs(c.num_stages - ref.num_stages)
+        knobs += c.programs_per_sm != ref.programs_per_sm
         return tiles + knobs + (c.w_major != ref.w_major) + abs(math.log2(c.split_k / ref.split_k))
 
     return sorted(dict.fromkeys(cfgs), key=dist)
