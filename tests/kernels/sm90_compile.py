@@ -115,7 +115,8 @@ class _Compiler:
         }
 
     def serialised(self, ptx: str) -> bool:
-        """Whether ptxas serialises the wgmma (its C7515 note: a wait after every HGMMA)."""
+        """Whether ptxas serialises the wgmma (its C7514 or C7515 note: a wait after every wgmma; C7514:
+        an instruction reads the accumulator registers of a wgmma in flight)."""
         ptxas = os.path.join(os.path.dirname(self.bin), "ptxas")
         with tempfile.TemporaryDirectory() as d:
             src = os.path.join(d, "k.ptx")
@@ -123,7 +124,7 @@ class _Compiler:
                 f.write(ptx)
             run = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", src, "-o", os.path.join(d, "k.o")],
                                  capture_output=True, text=True)  # fmt: skip
-        return "C7515" in run.stdout + run.stderr
+        return any(c in run.stdout + run.stderr for c in ("C7514", "C7515"))
 
 
 def _operands(case: Case):
@@ -308,7 +309,7 @@ def w4_problems(case: W4Case, res: dict) -> list[str]:
     if res["wgmma"] + res["hmma"] == 0 and not case.fma:
         bad.append("no tensor-core MMA")
     if res["wgmma_serialised"]:
-        bad.append("ptxas serialises the wgmma (C7515)")
+        bad.append("ptxas serialises the wgmma (C7514/C7515)")
     if res["paired_16bit"] == 0:
         bad.append("no paired 16-bit math (the PTX unpack is not in the kernel)")
     if res["spill_bytes"] != 0:
@@ -329,6 +330,8 @@ def problems(case: Case, res: dict) -> list[str]:
         bad.append(f"shared memory {res['smem']} > {SMEM_LIMIT}")
     if case.no_spill and res["spill_bytes"] != 0:
         bad.append(f"{res['spill_bytes']} bytes spilled")
+    if res["wgmma_serialised"]:  # e.g. a product carried across K steps: PERF_LOG, eleventh session
+        bad.append("ptxas serialises the wgmma (C7514/C7515)")
     return bad
 
 

@@ -164,6 +164,16 @@ def test_act_and_quantize(act, interleaved, a2):
 
 
 @needs_triton
+@pytest.mark.parametrize("a2", ["none", "fp8_token", "fp8_group128", "fp8_tensor"])
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "split"])
+def test_act_and_quantize_partial_column_tile(interleaved, a2):
+    """I = 200: the second column tile is partial (and so is its last 1 x 128 group); interleaved
+    gate/up pairs are loaded as one [BM, 2BK] tile and split in registers: the pairs past I must
+    stay out of the activation and the scales."""
+    _run_act(Activation.SWIGLUOAI, interleaved, a2, m=37, i=200)
+
+
+@needs_triton
 @pytest.mark.parametrize("m", [0, 1])
 def test_act_and_quantize_few_rows(m):
     _run_act(Activation.SILU, False, "fp8_token", m=m, i=128)
