@@ -64,16 +64,7 @@ PREFILL_ROWS = 64
 # 1.59-1.64x over one such program per SM, and 1.07-1.14x over the shipped 8-warp 64 x 256 tiles
 # on DeepSeek-V3 at T = 4096 (PERF_LOG, eleventh session). Only tiles whose stages fit twice in an
 # SM's shared memory (``PAIRED_SMEM``) and whose accumulators fit 128 threads' registers.
-PAIRED_SPACE = dict(
-    block_m=(64, 128),
-    block_n=(128, 256),
-    block_k=(64, 128),
-    group_m=(8,),
-    num_warps=(4,),
-    num_stages=(3, 4),
-    persistent=(True,),
-    programs_per_sm=(2,),
-)
+PAIRED_SPACE = dict(PERSISTENT_SPACE, num_warps=(4,), programs_per_sm=(2,))
 PAIRED_SMEM = 110 << 10  # bytes of pipeline stages per program: two in an H100/H200 SM's 228 KiB
 PAIRED_TILE = 64 * 256  # accumulator elements of a 4-warp program (128 fp32 registers a thread)
 # The w4 kernel's space (``kernels.grouped_gemm_w4``; 4-bit weights, float activations): BK 128
