@@ -27,6 +27,7 @@ import tempfile
 import time
 
 SMEM_LIMIT = 232448  # bytes of shared memory an H100 block may use (227 KiB)
+SM_SMEM, SM_REGS = 233472, 65536  # what two programs of one SM share (two per SM: ``programs_per_sm``)
 
 
 @dataclasses.dataclass
@@ -44,7 +45,8 @@ class Case:
 
 def _p(bm, bn, bk, warps, stages, **kw) -> dict:
     return dict(block_m=bm, block_n=bn, block_k=bk, group_m=8, num_warps=warps, num_stages=stages, persistent=True,
-                flatten=kw.get("flatten", True), epilogue_subtile=kw.get("sub", 1))  # fmt: skip
+                flatten=kw.get("flatten", True), epilogue_subtile=kw.get("sub", 1),
+                programs_per_sm=kw.get("per_sm", 1))  # fmt: skip
 
 
 CASES = [
@@ -59,6 +61,10 @@ CASES = [
     Case("fp8_block gemm2 128x256 halves", "fp8_block", "gemm2", _p(128, 256, 128, 8, 3), no_spill=False),
     Case("fp8_block gemm1 plain 128x256 halves", "fp8_block", "gemm1", _p(128, 256, 128, 8, 3), no_spill=False),
     Case("fp8_block gemm1 g128 out", "fp8_block", "gemm1", _p(64, 128, 128, 8, 4), act="silu", out="g128"),
+    # two programs per SM (the H200 tables' fp8-block entries): 226 registers, 90 KiB each
+    Case("fp8_block gemm2 64x128 two per SM", "fp8_block", "gemm2", _p(64, 128, 128, 4, 4, per_sm=2)),
+    # the layer's GEMM1 of a 64 x 128 entry with the activation fused: BN 64 outputs, 128 W rows
+    Case("bf16 gemm1 silu 64x(2x64) two per SM", "bf16", "gemm1", _p(64, 64, 64, 4, 4, per_sm=2), act="silu"),
     Case("int8 channel gemm2 (int32 acc)", "int8_w8a8_channel", "gemm2", _p(128, 256, 128, 8, 3)),
     Case("int8 w8a16 gemm2", "int8_w8a16", "gemm2", _p(128, 128, 64, 8, 3)),
     Case(
@@ -332,6 +338,10 @@ def problems(case: Case, res: dict) -> list[str]:
         bad.append(f"{res['spill_bytes']} bytes spilled")
     if res["wgmma_serialised"]:  # e.g. a product carried across K steps: PERF_LOG, eleventh session
         bad.append("ptxas serialises the wgmma (C7514/C7515)")
+    per_sm = case.cfg.get("programs_per_sm", 1)
+    regs = max(res["regs"], 0) * 32 * res["warps"]
+    if per_sm > 1 and (per_sm * res["smem"] > SM_SMEM or per_sm * regs > SM_REGS):
+        bad.append(f"{per_sm} programs do not fit one SM ({res['smem']} B shared memory, {regs} registers each)")
     return bad
 
 
