@@ -71,6 +71,24 @@ def test_group_m_only_where_an_expert_has_several_tiles():
     assert sum(c.persistent for c in many) == 19
 
 
+@pytest.mark.parametrize("pairs", [64 * 512, 64 * 4], ids=["prefill", "decode"])
+def test_every_kernel_path_is_in_the_head_of_a_step(pairs):
+    """By distance from an 8-warp persistent heuristic, the two-per-SM and one-program tiles rank
+    far down; ``families_first`` puts the nearest of each path right after the head, so a budget
+    that screens a step's first few candidates still meets every path, and nothing is lost."""
+    heur = LaunchConfig(128, 256, 128, 8, 8, 3, persistent=True) if pairs > 64 * 64 else LaunchConfig(16, 64, 128, 1)
+    ranked = space.by_distance([heur] + candidates("quick", pairs, 64, operand_bytes=1), heur)
+    paths = {space.family(c) for c in ranked}
+    out = space.families_first(ranked, 1)
+    assert sorted(map(repr, out)) == sorted(map(repr, ranked)) and out[0] == heur
+    assert {space.family(c) for c in out[: len(paths)]} == paths
+    if pairs > 64 * 64:
+        assert len(paths) >= 4 and any(c.programs_per_sm == 2 for c in out[: len(paths)])
+        assert not any(c.programs_per_sm == 2 for c in ranked[: len(paths)])  # by distance alone: none
+    else:
+        assert any(c.block_m < 16 for c in out[: len(paths)])  # the FMA path
+
+
 def test_two_programs_per_sm_only_where_two_fit_an_sm():
     fp8 = [c for c in candidates("quick", 64 * 512, 64, operand_bytes=1) if c.programs_per_sm == 2]
     bf16 = [c for c in candidates("quick", 64 * 512, 64, operand_bytes=2) if c.programs_per_sm == 2]

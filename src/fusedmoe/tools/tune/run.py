@@ -31,7 +31,7 @@ from .operands import Combo, StepOperands, launch, layer_weights, step_operands,
 from .pool import WarmPool
 from .probe import Job, job_spec, probing
 from .report import ComboResult, StepResult, TuneReport, write_combo
-from .space import MIN_CANDIDATES, by_distance, candidates, fmt_config, w4_candidates
+from .space import MIN_CANDIDATES, by_distance, candidates, families_first, fmt_config, w4_candidates
 
 TOLERANCE = 1e-2  # a candidate's output vs the heuristic config's
 # Cost-model priors until measured: a Triton compile of this kernel takes 1-2 s on one core; the
@@ -142,13 +142,14 @@ class _Run:
         """The step's candidates nearest ``first`` first, with the entry the shipped or user table
         gives this step today second (``shipped``), so that no budget cut leaves it unscreened:
         a re-tune that screened only the heuristic's neighbourhood once replaced a 64 x 256
-        persistent tile with a 1.36x slower one (H200, DeepSeek-V3 fp8 blocks, PERF_LOG)."""
+        persistent tile with a 1.36x slower one (H200, DeepSeek-V3 fp8 blocks, PERF_LOG). Then the
+        nearest config of each kernel path not yet there (``families_first``), then the rest."""
         ranked = by_distance([first] + [op.fit(c) for c in cands], first)
         shipped = self.shipped(op, bm)
         self.shipped_cfg[(pi, op.gemm, t)] = shipped
         if shipped is None or shipped == first:
-            return ranked
-        return [first, shipped] + [c for c in ranked[1:] if c != shipped]
+            return families_first(ranked, 1)
+        return families_first([first, shipped] + [c for c in ranked[1:] if c != shipped], 2)
 
     def shipped(self, op: StepOperands, bm: int | None) -> LaunchConfig | None:
         """The tuned entry nearest the step's pair count for this GPU (what the layer runs before

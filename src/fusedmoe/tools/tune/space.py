@@ -206,6 +206,27 @@ def by_distance(cfgs: list[LaunchConfig], ref: LaunchConfig) -> list[LaunchConfi
     return sorted(dict.fromkeys(cfgs), key=dist)
 
 
+def family(c: LaunchConfig) -> tuple:
+    """The kernel path a config takes: FMA (BM < 16), one program a tile, persistent (by warps and
+    programs per SM), the w4 kernel's orientation and split."""
+    return (c.block_m < 16, c.persistent, c.num_warps, c.programs_per_sm, c.w_major, c.split_k > 1)
+
+
+def families_first(ranked: list[LaunchConfig], head: int) -> list[LaunchConfig]:
+    """``ranked`` with its first ``head`` kept, then the best-ranked config of each kernel path not
+    among them, then the rest in order: a budget that screens only a step's first few candidates
+    still meets every path. By distance alone the two-per-SM tiles (two knobs from an 8-warp
+    heuristic) ranked past the 4-5 candidates a T = 16,384 step could screen (H200, eleventh
+    session)."""
+    seen = {family(c) for c in ranked[:head]}
+    leaders = []
+    for c in ranked[head:]:
+        if family(c) not in seen:
+            seen.add(family(c))
+            leaders.append(c)
+    return ranked[:head] + leaders + [c for c in ranked[head:] if c not in leaders]
+
+
 def fmt_config(c: LaunchConfig) -> str:
     """'BM,BN,BK,GROUP_M,warps,stages' then the knobs that differ from their default as name=value
     (``"128,256,64,8,8,3,persistent=1"``): what ``LaunchConfig.parse`` and FUSEDMOE_LAUNCH_CONFIG read."""
