@@ -64,26 +64,25 @@ def _store_float(ptr, v, mask, EXACT_CAST: tl.constexpr):
 @triton.jit
 def _activation(x_ptr, rows, row_ok, k0, stride_xm, I, alpha, limit, ACT: tl.constexpr, INTERLEAVED: tl.constexpr,
                 BLOCK_K: tl.constexpr):  # fmt: skip
-    """fp32 [BM, BK]: the activation of output columns k0 + [0, BK) (``fusedmoe.activations``).
-    Interleaved gate/up pairs come in one contiguous [BM, 2BK] load, split in registers: two loads
-    of every other element were not vectorised (gpt-oss's act_and_quantize at 16,384 pairs took
-    168 us on an H200, 29% of the bandwidth)."""
+    """(fp32 [BM, BK] activation of output columns k0 + [0, BK) (``fusedmoe.activations``), those
+    columns, their [BM, BK] in-bounds mask). Interleaved gate/up pairs come in one contiguous
+    [BM, 2BK] load, split in registers: two loads of every other element were not vectorised
+    (gpt-oss's act_and_quantize at 16,384 pairs took 168 us on an H200, 29% of the bandwidth)."""
     base = x_ptr + rows[:, None].to(tl.int64) * stride_xm
     cols = k0 + tl.arange(0, BLOCK_K)
     mask = row_ok[:, None] & (cols < I)[None, :]
     if ACT == "none" or ACT == "silu_no_mul" or ACT == "gelu_no_mul" or ACT == "relu_no_mul" or ACT == "relu2_no_mul":
-        h = tl.load(base + cols[None, :], mask=mask, other=0).to(tl.float32)
-        return apply_act(h, h, alpha, limit, ACT)
+        gate = tl.load(base + cols[None, :], mask=mask, other=0).to(tl.float32)
+        up = gate
+    elif INTERLEAVED:
+        c2 = 2 * k0 + tl.arange(0, 2 * BLOCK_K)
+        m2 = row_ok[:, None] & (c2 < 2 * I)[None, :]
+        gu = tl.load(base + c2[None, :], mask=m2, other=0).to(tl.float32)
+        gate, up = tl.split(tl.reshape(gu, [gu.shape[0], BLOCK_K, 2]))
     else:
-        if INTERLEAVED:
-            c2 = 2 * k0 + tl.arange(0, 2 * BLOCK_K)
-            m2 = row_ok[:, None] & (c2 < 2 * I)[None, :]
-            gu = tl.load(base + c2[None, :], mask=m2, other=0).to(tl.float32)
-            gate, up = tl.split(tl.reshape(gu, [gu.shape[0], BLOCK_K, 2]))
-        else:
-            gate = tl.load(base + cols[None, :], mask=mask, other=0).to(tl.float32)
-            up = tl.load(base + (I + cols)[None, :], mask=mask, other=0).to(tl.float32)
-        return apply_act(gate, up, alpha, limit, ACT)
+        gate = tl.load(base + cols[None, :], mask=mask, other=0).to(tl.float32)
+        up = tl.load(base + (I + cols)[None, :], mask=mask, other=0).to(tl.float32)
+    return apply_act(gate, up, alpha, limit, ACT), cols, mask
 
 
 @triton.jit
@@ -121,12 +120,10 @@ def _tensor_dyn_one(
     per-tensor dynamic scale: the tile's amax (integer max of ``_abs_bits``, as PASS 1), then
     its codes (as PASS 2), from one load."""
     rows = tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_K)
     row_ok = rows < M
     if ROW_MASK:
         row_ok = row_ok & (tl.load(rmask_ptr + rows, mask=row_ok, other=0) != 0)
-    mask = row_ok[:, None] & (cols < I)[None, :]
-    v = _activation(x_ptr, rows, row_ok, 0, stride_xm, I, alpha, limit, ACT, INTERLEAVED, BLOCK_K)
+    v, cols, mask = _activation(x_ptr, rows, row_ok, 0, stride_xm, I, alpha, limit, ACT, INTERLEAVED, BLOCK_K)
     amax = tl.max(tl.max(tl.where(mask, _abs_bits(v), 0), axis=1), axis=0)
     s = _scale_of(amax.to(tl.float32, bitcast=True), QUANT)
     tl.store(s_ptr, s)
@@ -181,22 +178,18 @@ def _act_quant_kernel(
         if SCALE == "token":
             amax = tl.zeros([BLOCK_M], dtype=tl.int32)  # _abs_bits
             for k0 in range(0, I, BLOCK_K):
-                cols = k0 + tl.arange(0, BLOCK_K)
-                mask = row_ok[:, None] & (cols < I)[None, :]
-                v = _activation(x_ptr, rows, row_ok, k0, stride_xm, I, alpha, limit, ACT, INTERLEAVED, BLOCK_K)
+                v, cols, mask = _activation(x_ptr, rows, row_ok, k0, stride_xm, I, alpha, limit, ACT, INTERLEAVED,
+                                            BLOCK_K)  # fmt: skip
                 amax = tl.maximum(amax, tl.max(tl.where(mask, _abs_bits(v), 0), axis=1))
             s = _scale_of(amax.to(tl.float32, bitcast=True), QUANT)
             tl.store(s_row, s, mask=row_ok)
             for k0 in range(0, I, BLOCK_K):
-                cols = k0 + tl.arange(0, BLOCK_K)
-                mask = row_ok[:, None] & (cols < I)[None, :]
-                v = _activation(x_ptr, rows, row_ok, k0, stride_xm, I, alpha, limit, ACT, INTERLEAVED, BLOCK_K)
+                v, cols, mask = _activation(x_ptr, rows, row_ok, k0, stride_xm, I, alpha, limit, ACT, INTERLEAVED,
+                                            BLOCK_K)  # fmt: skip
                 tl.store(q_row + cols[None, :], _quant_linear(v, s[:, None], QUANT, EXACT_CAST), mask=mask)
         else:
-            cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-            mask = row_ok[:, None] & (cols < I)[None, :]
-            v = _activation(x_ptr, rows, row_ok, pid_k * BLOCK_K, stride_xm, I, alpha, limit, ACT, INTERLEAVED,
-                            BLOCK_K)  # fmt: skip
+            v, cols, mask = _activation(x_ptr, rows, row_ok, pid_k * BLOCK_K, stride_xm, I, alpha, limit, ACT,
+                                        INTERLEAVED, BLOCK_K)  # fmt: skip
             if QUANT == "none":
                 _store_float(q_row + cols[None, :], v, mask, EXACT_CAST)
             elif SCALE == "tensor_dyn" and PASS == 1:
