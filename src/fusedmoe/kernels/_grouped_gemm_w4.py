@@ -71,6 +71,7 @@ from ._w4_operands import (
     _w4_decode,
     _w4_group,
     _w4_raw,
+    _w4_step_codes,
     _w4_unpack_args,
     _w4_unword,
     udiv,
@@ -309,29 +310,32 @@ def _w4_tiles(
     w_base, ws_base, wz_base, cols, ok, kb, stride_wn, stride_wk, stride_wsn, stride_wsk,
     W_FMT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, HAS_ZERO: tl.constexpr, FAST: tl.constexpr,
     SPLIT: tl.constexpr, R: tl.constexpr, OP: tl.constexpr, RUNS: tl.constexpr, PK: tl.constexpr, KP,
-    KS: tl.constexpr, kps,
+    KS: tl.constexpr, kps, pre=None,
 ):  # fmt: skip
     """The dequantized W tiles [R, RUNS * HALF] in OP (low half, high half) of the RUNS pack blocks
     at ``kb``: FAST, paired 16-bit math in PTX (``_w4_unpack``); else one fp32 FMA per weight
     and a cast. Scales and zero points: ``ws_base`` and ``wz_base`` start at the K step's first
-    group, where ``kb`` is column KS and KP column ``kps`` (``_w4_step_scales``)."""
+    group, where ``kb`` is column KS and KP column ``kps`` (``_w4_step_scales``); ``pre``: the
+    step's codes, loaded a step ahead (``_w4_step_codes``)."""
     byte = _w4_bytes(w_base, cols, ok, kb, stride_wn, stride_wk, HALF, RUNS, PK, KP)
     if FAST:
         ws_rows = ws_base + cols * stride_wsn
         wz_rows = wz_base + cols * stride_wsn
         m_lo, s_lo, t_lo = _w4_unpack_args(
-            ws_rows, wz_rows, ok, KS, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, SPLIT, R, OP, RUNS, PK, kps
+            ws_rows, wz_rows, ok, KS, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, SPLIT, R, OP, RUNS, PK, kps, pre
         )
         m_hi, s_hi, t_hi = m_lo, s_lo, t_lo
         if 2 * HALF > GROUP:  # the halves lie in different groups
             m_hi, s_hi, t_hi = _w4_unpack_args(
-                ws_rows, wz_rows, ok, KS + HALF, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, SPLIT, R, OP, RUNS, PK, kps
-            )
+                ws_rows, wz_rows, ok, KS + HALF, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, SPLIT, R, OP, RUNS, PK,
+                kps, pre,
+            )  # fmt: skip
         return w4_unpack(byte, m_lo, m_hi, s_lo, s_hi, t_lo, t_hi, W_FMT, OP, SPLIT)
     else:
         v_lo, s_lo, b_lo, v_hi, s_hi, b_hi = _w4_decode(
-            byte, ws_base, wz_base, cols, ok, KS, stride_wsn, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, R, RUNS, PK, kps
-        )
+            byte, ws_base, wz_base, cols, ok, KS, stride_wsn, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, R, RUNS, PK,
+            kps, pre,
+        )  # fmt: skip
         return (v_lo * s_lo + b_lo).to(OP), (v_hi * s_hi + b_hi).to(OP)
 
 
@@ -340,7 +344,7 @@ def _w4_tile_mac(
     acc, a_lo, a_hi, w_base, ws_base, wz_base, cols, ok, kb, stride_wn, stride_wk, stride_wsn, stride_wsk,
     W_FMT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, HAS_ZERO: tl.constexpr, FAST: tl.constexpr,
     SPLIT: tl.constexpr, MODE: tl.constexpr, IEEE: tl.constexpr, R: tl.constexpr, OP: tl.constexpr,
-    RUNS: tl.constexpr, PK: tl.constexpr, KP, KS: tl.constexpr, kps, CAT: tl.constexpr = False,
+    RUNS: tl.constexpr, PK: tl.constexpr, KP, KS: tl.constexpr, kps, CAT: tl.constexpr = False, pre=None,
 ):  # fmt: skip
     """acc + the RUNS pack blocks at ``kb`` (column KS of the K step: ``_w4_tiles``) of W rows
     ``cols`` times A: two dots (A's low and high halves), or under CAT one dot of the blocks in K
@@ -348,19 +352,19 @@ def _w4_tile_mac(
     if CAT:  # each block unpacked with its own [R, 1] scales, then concatenated
         if RUNS == 1:
             w = _w4_block(w_base, ws_base, wz_base, cols, ok, kb, stride_wn, stride_wk, stride_wsn, stride_wsk,
-                          W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, R, OP, PK, KP, KS, kps)  # fmt: skip
+                          W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, R, OP, PK, KP, KS, kps, pre)  # fmt: skip
         else:
             w = _w4_block_pair(w_base, ws_base, wz_base, cols, ok, kb, stride_wn, stride_wk, stride_wsn, stride_wsk,
-                               W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, R, OP, PK, KP, KS, kps)  # fmt: skip
+                               W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, R, OP, PK, KP, KS, kps, pre)  # fmt: skip
             if RUNS == 4:
                 w = _cat_k(w, _w4_block_pair(w_base, ws_base, wz_base, cols, ok, kb + 2 * PK, stride_wn, stride_wk,
                                              stride_wsn, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, R, OP,
-                                             PK, KP, KS + 2 * PK, kps))  # fmt: skip
+                                             PK, KP, KS + 2 * PK, kps, pre))  # fmt: skip
         acc = _w4_mac(acc, w, a_lo, MODE, IEEE)
     else:
         w_lo, w_hi = _w4_tiles(
             w_base, ws_base, wz_base, cols, ok, kb, stride_wn, stride_wk, stride_wsn, stride_wsk,
-            W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, R, OP, RUNS, PK, KP, KS, kps,
+            W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, R, OP, RUNS, PK, KP, KS, kps, pre,
         )  # fmt: skip
         acc = _w4_mac(acc, w_lo, a_lo, MODE, IEEE)
         acc = _w4_mac(acc, w_hi, a_hi, MODE, IEEE)
@@ -379,14 +383,14 @@ def _cat_k(x, y):
 def _w4_block_pair(
     w_base, ws_base, wz_base, cols, ok, kb, stride_wn, stride_wk, stride_wsn, stride_wsk,
     W_FMT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, HAS_ZERO: tl.constexpr, FAST: tl.constexpr,
-    SPLIT: tl.constexpr, R: tl.constexpr, OP: tl.constexpr, PK: tl.constexpr, KP, KS: tl.constexpr, kps,
+    SPLIT: tl.constexpr, R: tl.constexpr, OP: tl.constexpr, PK: tl.constexpr, KP, KS: tl.constexpr, kps, pre=None,
 ):  # fmt: skip
     """The [R, 2 PK] tile of the pack blocks at ``kb`` and ``kb + PK`` in K order (``_w4_block``)."""
     return _cat_k(
         _w4_block(w_base, ws_base, wz_base, cols, ok, kb, stride_wn, stride_wk, stride_wsn, stride_wsk,
-                  W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, R, OP, PK, KP, KS, kps),
+                  W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, R, OP, PK, KP, KS, kps, pre),
         _w4_block(w_base, ws_base, wz_base, cols, ok, kb + PK, stride_wn, stride_wk, stride_wsn, stride_wsk,
-                  W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, R, OP, PK, KP, KS + PK, kps),
+                  W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, R, OP, PK, KP, KS + PK, kps, pre),
     )  # fmt: skip
 
 
@@ -394,14 +398,14 @@ def _w4_block_pair(
 def _w4_block(
     w_base, ws_base, wz_base, cols, ok, kb, stride_wn, stride_wk, stride_wsn, stride_wsk,
     W_FMT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, HAS_ZERO: tl.constexpr, FAST: tl.constexpr,
-    SPLIT: tl.constexpr, R: tl.constexpr, OP: tl.constexpr, PK: tl.constexpr, KP, KS: tl.constexpr, kps,
+    SPLIT: tl.constexpr, R: tl.constexpr, OP: tl.constexpr, PK: tl.constexpr, KP, KS: tl.constexpr, kps, pre=None,
 ):  # fmt: skip
     """The dequantized [R, PK] tile of the pack block at ``kb`` (column KS of the K step), columns
     in K order (its low half, then its high half); a block at or past KP is zeros (bytes and
     scales masked)."""
     lo, hi = _w4_tiles(
         w_base, ws_base, wz_base, cols, ok & (kb < KP), kb, stride_wn, stride_wk, stride_wsn, stride_wsk,
-        W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, R, OP, 1, PK, KP, KS, kps,
+        W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, R, OP, 1, PK, KP, KS, kps, pre,
     )  # fmt: skip
     return _cat_k(lo, hi)
 
@@ -413,12 +417,13 @@ def _w4_dot_step(
     W_FMT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, ACT_ORDER: tl.constexpr, HAS_ZERO: tl.constexpr,
     GATED: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr, IEEE: tl.constexpr, OP: tl.constexpr,
     FAST: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, RUNS: tl.constexpr, PK: tl.constexpr,
-    KS: tl.constexpr, kps, CAT: tl.constexpr = False,
+    KS: tl.constexpr, kps, CAT: tl.constexpr = False, pre_g=None, pre_u=None,
 ):  # fmt: skip
     """RUNS pack blocks on the tensor cores: two dots (A's low and high halves) per row set, each
     over the RUNS blocks' halves (K = RUNS * HALF: 32-column halves make K = 32 dots, which
     wait for each other; two runs make K = 64 ones), or under CAT (``grouped_gemm_w4.dot_cat``)
-    one dot over the RUNS blocks in K order with A's step loaded as it lies."""
+    one dot over the RUNS blocks in K order with A's step loaded as it lies. ``pre_g``, ``pre_u``:
+    the step's scale codes of the gate and up rows, loaded a step ahead (``_w4_step_codes``)."""
     if EVEN_K:
         ok = n_ok
     else:
@@ -438,12 +443,12 @@ def _w4_dot_step(
         )
     acc = _w4_tile_mac(
         acc, a_lo, a_hi, w_base, ws_base, wz_base, g_cols, ok, kb, stride_wn, stride_wk, stride_wsn, stride_wsk,
-        W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, MODE, IEEE, BLOCK_N, OP, RUNS, PK, KP, KS, kps, CAT,
+        W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, MODE, IEEE, BLOCK_N, OP, RUNS, PK, KP, KS, kps, CAT, pre_g,
     )  # fmt: skip
     if GATED:
         acc_u = _w4_tile_mac(
             acc_u, a_lo, a_hi, w_base, ws_base, wz_base, u_cols, ok, kb, stride_wn, stride_wk, stride_wsn, stride_wsk,
-            W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, MODE, IEEE, BLOCK_N, OP, RUNS, PK, KP, KS, kps, CAT,
+            W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, MODE, IEEE, BLOCK_N, OP, RUNS, PK, KP, KS, kps, CAT, pre_u,
         )  # fmt: skip
     return acc, acc_u
 
@@ -517,6 +522,7 @@ def _w4_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    SCALES_AHEAD: tl.constexpr,  # tensor-core tiles: scale codes loaded a K step ahead (LaunchConfig)
 ):  # fmt: skip
     # 119 lines: one Triton kernel; the unpack, the FMA/dot paths and the split-K epilogue are constexpr branches and
     # @triton.jit helpers.
@@ -597,15 +603,30 @@ def _w4_gemm_kernel(
         # measured slower with it (MXFP4 BM 16: Qwen3 GEMM1 T = 256 227 -> 258 us).
         if MODE == "swap":
             tl.assume(k_hi > k_lo)
+        # SCALES_AHEAD: each step's scale codes come from the step before (``_w4_step_codes``)
+        nxt_g, nxt_u = None, None
+        if SCALES_AHEAD:
+            ws_n, wz_n = _w4_step_scales(ws_base, wz_base, k_lo, stride_wsk, GROUP)
+            nxt_g, nxt_u = _w4_step_codes(
+                ws_n, wz_n, g_cols, u_cols, n_ok, k_lo, KP, stride_wsn, stride_wsk, GROUP, BLOCK_K, HAS_ZERO, GATED
+            )  # fmt: skip
         for k0 in range(k_lo, k_hi, BLOCK_K):
             ws_k, wz_k = _w4_step_scales(ws_base, wz_base, k0, stride_wsk, GROUP)
+            pre_g, pre_u = nxt_g, nxt_u
+            if SCALES_AHEAD:
+                k1 = k0 + BLOCK_K
+                ws_n, wz_n = _w4_step_scales(ws_base, wz_base, k1, stride_wsk, GROUP)
+                nxt_g, nxt_u = _w4_step_codes(
+                    ws_n, wz_n, g_cols, u_cols, n_ok & (k1 < k_hi), k1, KP, stride_wsn, stride_wsk,
+                    GROUP, BLOCK_K, HAS_ZERO, GATED,
+                )  # fmt: skip
             for j in tl.static_range(BLOCK_K // (RUNS * PK)):
                 kb = k0 + j * RUNS * PK
                 acc, acc_u = _w4_dot_step(
                     acc, acc_u, a_row_ptr, row_ok, perm_base, w_base, ws_k, wz_k, g_cols, u_cols, n_ok, kb,
                     KD, KP, stride_ak, stride_pk, stride_wn, stride_wk, stride_wsn, stride_wsk,
                     W_FMT, GROUP, HALF, ACT_ORDER, HAS_ZERO, GATED, EVEN_K, MODE, IEEE, OP, FAST, SPLIT_SCALE,
-                    BLOCK_N, RUNS, PK, j * RUNS * PK, KP - k0, CAT,
+                    BLOCK_N, RUNS, PK, j * RUNS * PK, KP - k0, CAT, pre_g, pre_u,
                 )  # fmt: skip
 
     # ---- back to [BM, BN]; global scale; bias (split 0 only)

@@ -22,6 +22,7 @@ def _w4_group(
     ws_rows, wz_rows, ok, kh, stride_wsk,
     W_FMT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, HAS_ZERO: tl.constexpr, R: tl.constexpr,
     RUNS: tl.constexpr = 1, PK: tl.constexpr = 0, KP=0, PER: tl.constexpr = 1, RAW: tl.constexpr = False,
+    pre=None,
 ):  # fmt: skip
     """(scale, zero) of the half block at column ``kh``, counted from the group ``ws_rows`` and
     ``wz_rows`` point at (the tensor-core tiles pass the step's own column: ``_w4_step_scales``),
@@ -30,9 +31,13 @@ def _w4_group(
     1) or its words (PER 4, "fma1": a word's four columns share a group, groups being >= 16).
     zero: the stored zero point, 8 for symmetric int4 (codes are c - 8), 0 for e2m1 (unused).
     RUNS > 1 (``_w4_dot_step``): the half of RUNS consecutive pack blocks, [R, RUNS * HALF]
-    (columns kh + r * PK + c, c < HALF), runs at or past KP masked."""
+    (columns kh + r * PK + c, c < HALF), runs at or past KP masked. ``pre``: the step's codes
+    loaded one step ahead (``_w4_step_codes``; ``kh`` is then the half's static column in the
+    step), used in place of the loads."""
     z = 8.0 if W_FMT == "int4" else 0.0
-    if HALF <= GROUP and RUNS == 1:
+    if pre is not None:
+        s, z = _w4_group_pre(pre, kh, W_FMT, GROUP, HALF, HAS_ZERO, R, RUNS, PK, PER, RAW)
+    elif HALF <= GROUP and RUNS == 1:
         if RAW:  # "fma1": ~3 SASS a load fewer
             g = udiv(kh, GROUP)
         else:
@@ -63,6 +68,86 @@ def _w4_group(
 
 
 @triton.jit
+def _w4_step_codes(
+    ws_k, wz_k, g_cols, u_cols, ok, k0, KP, stride_wsn, stride_wsk,
+    GROUP: tl.constexpr, BLOCK_K: tl.constexpr, HAS_ZERO: tl.constexpr, GATED: tl.constexpr,
+):  # fmt: skip
+    """The stored scale (and zero-point) codes of the K step at ``k0`` whose first group ``ws_k``
+    and ``wz_k`` point at (``_w4_step_scales``), as (gate rows, up rows): each a tuple of one
+    [R] tile per group of the step (NG = BLOCK_K / GROUP, at least 1), then, HAS_ZERO, as many
+    zero-point tiles. Loaded a K step before their use: the hardware counters (``scripts/ncu_suite.sh``,
+    H200, Mixtral MXFP4 T = 4096) put the scale loads' latency first among the 4-bit GEMM's
+    stalls, each step waiting on loads issued in that step. Groups at or past KP, and a step at
+    or past ``k_hi`` (``ok`` is false there), are masked. The carried tiles keep their load's
+    layout; where the compiler then lays the unpack out in it rather than in the MMA's (the large
+    W-major tiles: sm_90 builds show the dequantized W tile converted through shared memory each
+    step), this is slower, so it is a launch-config knob (``LaunchConfig.scales_ahead``) the tuner
+    sets per tile."""
+    NG: tl.constexpr = (BLOCK_K + GROUP - 1) // GROUP
+    gate = ()
+    up = ()
+    for which in tl.static_range(2 if HAS_ZERO else 1):
+        base = ws_k if which == 0 else wz_k
+        for gi in tl.static_range(NG):
+            m = ok & (k0 + gi * GROUP < KP)
+            gate = gate + (tl.load(base + g_cols * stride_wsn + gi * stride_wsk, mask=m, other=0),)
+            if GATED:
+                up = up + (tl.load(base + u_cols * stride_wsn + gi * stride_wsk, mask=m, other=0),)
+    if not GATED:
+        up = gate
+    return gate, up
+
+
+@triton.jit
+def _w4_group_pre(
+    pre, kh: tl.constexpr, W_FMT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, HAS_ZERO: tl.constexpr,
+    R: tl.constexpr, RUNS: tl.constexpr, PK: tl.constexpr, PER: tl.constexpr, RAW: tl.constexpr,
+):  # fmt: skip
+    """``_w4_group``'s (scale, zero) from the step's prefetched codes ``pre`` (``_w4_step_codes``):
+    the half at static column ``kh`` of the step reads group kh // GROUP, or, where it spans
+    groups (HALF > GROUP) or runs (RUNS > 1), the NH x RUNS groups it covers, joined in column
+    order and broadcast over their columns as ``_w4_group`` does."""
+    NG: tl.constexpr = len(pre) // (2 if HAS_ZERO else 1)
+    z = 8.0 if W_FMT == "int4" else 0.0
+    g0: tl.constexpr = kh // GROUP
+    if HALF <= GROUP and RUNS == 1:
+        s = pre[g0]
+        if not RAW:
+            s = _decode_scale(s, W_FMT)
+        s = s[:, None]
+        if HAS_ZERO:
+            z = pre[NG + g0].to(tl.float32)[:, None]
+    else:
+        NH: tl.constexpr = HALF // GROUP
+        STEP: tl.constexpr = PK // GROUP  # groups between runs
+        shape: tl.constexpr = [R, RUNS * NH, GROUP // PER]
+        s = _join_groups(pre, g0, NH, STEP, RUNS, 0)
+        if not RAW:
+            s = _decode_scale(s, W_FMT)
+        s = tl.reshape(tl.broadcast_to(s[:, :, None], shape), [R, RUNS * HALF // PER])
+        if HAS_ZERO:
+            z = _join_groups(pre, g0, NH, STEP, RUNS, NG).to(tl.float32)
+            z = tl.reshape(tl.broadcast_to(z[:, :, None], shape), [R, RUNS * HALF // PER])
+    return s, z
+
+
+@triton.jit
+def _join_groups(pre, g0: tl.constexpr, NH: tl.constexpr, STEP: tl.constexpr, RUNS: tl.constexpr, OFF: tl.constexpr):
+    """[R, RUNS * NH]: the prefetched tiles of groups g0 + r * STEP + h (r < RUNS, h < NH) in that
+    order, for 2 or 4 of them (joins add a trailing axis: (a, c) joined with (b, d) is a, b, c, d)."""
+    N: tl.constexpr = RUNS * NH
+    tl.static_assert(N == 2 or N == 4, "a half spans 2 or 4 groups")
+    if N == 2:
+        return tl.join(pre[OFF + g0], pre[OFF + g0 + (STEP if NH == 1 else 1)])
+    else:
+        i0: tl.constexpr = OFF + g0
+        i1: tl.constexpr = i0 + (STEP if NH == 1 else 1)
+        i2: tl.constexpr = i0 + (2 * STEP if NH == 1 else (STEP if NH == 2 else 2))
+        i3: tl.constexpr = i0 + (3 * STEP if NH == 1 else (STEP + 1 if NH == 2 else 3))
+        return tl.reshape(tl.join(tl.join(pre[i0], pre[i2]), tl.join(pre[i1], pre[i3])), [pre[i0].shape[0], 4])
+
+
+@triton.jit
 def udiv(x, D: tl.constexpr):
     """x // D for x >= 0, divided as unsigned: a shift for a power of two, with none of the sign
     fix-ups of a signed division."""
@@ -84,13 +169,13 @@ def _w4_affine_of(s, z, W_FMT: tl.constexpr):
 def _w4_unpack_args(
     ws_rows, wz_rows, ok, kh, stride_wsk,
     W_FMT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, HAS_ZERO: tl.constexpr, SPLIT: tl.constexpr,
-    R: tl.constexpr, OP: tl.constexpr, RUNS: tl.constexpr = 1, PK: tl.constexpr = 0, KP=0,
+    R: tl.constexpr, OP: tl.constexpr, RUNS: tl.constexpr = 1, PK: tl.constexpr = 0, KP=0, pre=None,
 ):  # fmt: skip
     """(m, s_hi, s_lo) in OP of the half block at ``kh`` for ``_w4_unpack.w4_unpack``: m = -(magic
     + zero) (int4; the magic is 128 in bf16, 1024 in fp16), the scale, and under SPLIT the part
     of the scale that OP does not hold (so s_hi + s_lo carries 16 significant bits). e2m1: the
     scale, times 2^126 unless SPLIT (``_e2m1_scale``). RUNS, PK, KP: as ``_w4_group``."""
-    s, z = _w4_group(ws_rows, wz_rows, ok, kh, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, R, RUNS, PK, KP)
+    s, z = _w4_group(ws_rows, wz_rows, ok, kh, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, R, RUNS, PK, KP, pre=pre)
     s_hi = s.to(OP)
     if W_FMT != "int4":
         s_hi = _e2m1_scale(s, SPLIT).to(OP)
@@ -177,18 +262,21 @@ def _w4_bytes(
 def _w4_decode(
     byte, ws_base, wz_base, cols, ok, kb, stride_wsn, stride_wsk,
     W_FMT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, HAS_ZERO: tl.constexpr, R: tl.constexpr,
-    RUNS: tl.constexpr = 1, PK: tl.constexpr = 0, KP=0,
+    RUNS: tl.constexpr = 1, PK: tl.constexpr = 0, KP=0, pre=None,
 ):  # fmt: skip
     """The byte tile of the pack block(s) at ``kb`` as the raw values of its low and high halves
-    with their affine maps: (v_lo, S_lo, B_lo, v_hi, S_hi, B_hi), weights = v * S + B."""
+    with their affine maps: (v_lo, S_lo, B_lo, v_hi, S_hi, B_hi), weights = v * S + B. ``pre``:
+    as ``_w4_group``."""
     byte = byte.to(tl.int32)
     ws_rows = ws_base + cols * stride_wsn
     wz_rows = wz_base + cols * stride_wsn  # zero points share the scale's shape and strides
-    s, z = _w4_group(ws_rows, wz_rows, ok, kb, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, R, RUNS, PK, KP)
+    s, z = _w4_group(ws_rows, wz_rows, ok, kb, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, R, RUNS, PK, KP, pre=pre)
     s_lo, b_lo = _w4_affine_of(s, z, W_FMT)
     s_hi, b_hi = s_lo, b_lo
     if 2 * HALF > GROUP:  # the halves lie in different groups
-        s, z = _w4_group(ws_rows, wz_rows, ok, kb + HALF, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, R, RUNS, PK, KP)
+        s, z = _w4_group(
+            ws_rows, wz_rows, ok, kb + HALF, stride_wsk, W_FMT, GROUP, HALF, HAS_ZERO, R, RUNS, PK, KP, pre=pre
+        )  # fmt: skip
         s_hi, b_hi = _w4_affine_of(s, z, W_FMT)
     return _w4_raw(byte, False, W_FMT), s_lo, b_lo, _w4_raw(byte, True, W_FMT), s_hi, b_hi
 

@@ -41,7 +41,9 @@ class LaunchConfig:
     ``moe_sum`` (or a reduce kernel) sums in a fixed order; 1 = no split. w_major: 1 puts the
     weight tile first: the dot computes C^T = W @ A^T (the dequantized W tile feeds the tensor
     cores from registers), and at BM = 1 the FMA path keeps a partial sum per K position, reduced
-    once after the K loop.
+    once after the K loop. scales_ahead (tensor-core tiles): each K step's scale (and zero-point)
+    codes are loaded one step before their use, carried through the loop; the tuner keeps it
+    where it measures faster (small and GEMM2 tiles: PERF_LOG, twelfth session).
 
     The persistent TMA-fed kernel (``grouped_gemm_persistent``, prefill on Hopper) runs
     instead of the one-program-per-tile kernel when ``persistent`` is set and it serves the
@@ -69,6 +71,7 @@ class LaunchConfig:
     flatten: bool = True
     epilogue_subtile: int = 1
     programs_per_sm: int = 1
+    scales_ahead: bool = False
 
     def __post_init__(self) -> None:
         bm = self.block_m

@@ -31,7 +31,7 @@ from .operands import Combo, StepOperands, launch, layer_weights, step_operands,
 from .pool import WarmPool
 from .probe import Job, job_spec, probing
 from .report import ComboResult, StepResult, TuneReport, write_combo
-from .space import MIN_CANDIDATES, by_distance, candidates, families_first, fmt_config, w4_candidates
+from .space import MIN_CANDIDATES, by_distance, candidates, families_first, fmt_config, knob_variants, w4_candidates
 
 TOLERANCE = 1e-2  # a candidate's output vs the heuristic config's
 # Cost-model priors until measured: a Triton compile of this kernel takes 1-2 s on one core; the
@@ -257,25 +257,29 @@ class _Run:
         if bm is None or heur.block_m == bm:
             timed[heur] = res.heuristic_ms
         if shipped is not None and shipped not in timed:
-            self.time_shipped(op, shipped, screened, ref, res, timed)
+            self.time_extra(op, shipped, screened, ref, res, timed)
         if shipped in timed:
             res.shipped, res.shipped_ms = shipped, timed[shipped]
+        for c in knob_variants(min(timed, key=timed.get), op.w4):  # knobs the space does not sweep
+            if op.fit(c) not in timed:
+                self.time_extra(op, op.fit(c), screened, ref, res, timed)
         res.cfg = min(timed, key=lambda c: (timed[c], order.index(c) if c in order else -1))
         res.ms = timed[res.cfg]
         self.extra.pop(hkey, None)
         return res
 
-    def time_shipped(self, op, shipped: LaunchConfig, screened: dict, ref, res: StepResult, timed: dict) -> None:
-        """Re-time the shipped entry beside the finalists, so the winner must beat it there; also
-        where its compile came too late to screen it (a run once wrote the heuristic's tile over a
-        1.12x faster shipped one so: H200, Qwen3 fp8 blocks GEMM2 at 131,072 pairs). Compiled here
-        if need be; one that fails or differs from the heuristic's output is left out, as screening
-        would have left it."""
-        if shipped not in screened:
-            out = self.check(op, shipped, res, None)
+    def time_extra(self, op, cfg: LaunchConfig, screened: dict, ref, res: StepResult, timed: dict) -> None:
+        """Time ``cfg`` beside the finalists: the shipped entry, so the winner must beat it there,
+        also where its compile came too late to screen it (a run once wrote the heuristic's tile
+        over a 1.12x faster shipped one so: H200, Qwen3 fp8 blocks GEMM2 at 131,072 pairs); and
+        the best finalist with a knob flipped (``space.knob_variants``). Compiled here if need be;
+        one that fails or differs from the heuristic's output is left out, as screening would
+        have left it."""
+        if cfg not in screened:
+            out = self.check(op, cfg, res, None)
             if out is None or rel_error(out, ref) > TOLERANCE:
                 return
-        timed[shipped] = self.timer(shipped, self.bound(op, shipped), self.retime_ms)
+        timed[cfg] = self.timer(cfg, self.bound(op, cfg), self.retime_ms)
 
     def screen(self, op: StepOperands, cfg: LaunchConfig, key, ref: torch.Tensor, res: StepResult, screened: dict):
         warmed = self.pool.result(key)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from ...kernels.launch_config import LaunchConfig
 
@@ -225,6 +225,18 @@ def families_first(ranked: list[LaunchConfig], head: int) -> list[LaunchConfig]:
             seen.add(family(c))
             leaders.append(c)
     return ranked[:head] + leaders + [c for c in ranked[head:] if c not in leaders]
+
+
+def knob_variants(best: LaunchConfig, w4: bool) -> list[LaunchConfig]:
+    """The configs a step times beside its best finalist without screening them: the knobs whose
+    effect depends on the tile more than any distance says, so that sweeping them would double
+    the space. The w4 kernel's ``scales_ahead`` (tensor-core tiles): measured 1.18x faster on
+    Mixtral's MXFP4 GEMM2 at T = 16 (BM 16) and 1.9x slower on its GEMM1 at T = 4096 (BM 128),
+    where the compiler then converts the dequantized W tile through shared memory (H200,
+    PERF_LOG twelfth session)."""
+    if w4 and best.block_m >= 16:
+        return [replace(best, scales_ahead=not best.scales_ahead)]
+    return []
 
 
 def fmt_config(c: LaunchConfig) -> str:
