@@ -9,7 +9,8 @@
 #   tune.log            the environment and the tuner's progress
 # Knobs (environment): BUDGET_S (the tuner's wall-clock budget, default 480 s), TOKENS,
 # EXTRA_TOKENS, PRESETS, SCHEMES, SPACE, WORKERS, TUNE_ARGS (more `fusedmoe tune` options).
-# SCHEMES=int4_g128,mxfp4 tunes the 4-bit kernel (its tables: <gpu>/int4_g128_w4, mxfp4_g32_w4).
+# SCHEMES=int4_g128,mxfp4,nvfp4_w4a16 tunes the 4-bit kernel (its tables: <gpu>/int4_g128_w4, mxfp4_g32_w4,
+# nvfp4_g16_w4).
 # APPLY=1 also unpacks the tables into src/fusedmoe/kernels/configs/ of this tree, so that a
 # `bash scripts/lab_ab.sh` later in the same device call benches them against .out/old's.
 set -uo pipefail

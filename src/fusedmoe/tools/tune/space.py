@@ -111,8 +111,8 @@ W4_DECODE_SPACE = dict(
 W4_TINY_DECODE = dict(W4_DECODE_SPACE, block_n=(32,), split_k=(1, 2))
 W4_DECODE_ROWS = 1
 ALL_PRESETS = ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3", "gpt-oss-20b")  # ``--preset all``
-# ``--scheme all``: what the shipped tables cover (the w4 kernel's int4 and MXFP4 included)
-SCHEMES = ("bf16", "fp8_tensor", "fp8_block", "int4_g128", "mxfp4")
+# ``--scheme all``: what the shipped tables cover (the w4 kernel's int4, MXFP4 and NVFP4 included)
+SCHEMES = ("bf16", "fp8_tensor", "fp8_block", "int4_g128", "mxfp4", "nvfp4_w4a16")
 MIN_CANDIDATES = 4  # kept per step (besides the heuristic) whatever the budget
 
 
