@@ -240,7 +240,7 @@ class W4Case:
     scale_dtype: str | None = None  # stored scales cast to this (int4: None keeps fp32)
     batched: bool = False
     fma: bool = False  # BM < 16: the FMA path (e2m1 weights unpacked to fp32 by PTX), no MMA
-    ahead: bool = False  # LaunchConfig.scales_ahead: the step's scale codes loaded a step before
+    loads: int = 0  # LaunchConfig.scale_loads: 1 the step's scale codes loaded a step before, 2 at its start
 
 
 W4_CASES = [
@@ -258,12 +258,14 @@ W4_CASES = [
     W4Case("mxfp4 fma1 gemm2 split 2", "mxfp4", "gemm2", (1, 32, 64, 1, 4, 4, 2, 1), fma=True),
     W4Case("mxfp4 fma1 gemm1 silu, two blocks a step", "mxfp4", "gemm1", (1, 32, 128, 1, 4, 4, 1, 1), fma=True),
     W4Case("nvfp4 fma1 gemm2, halves of two groups", "nvfp4", "gemm2", (1, 64, 128, 1, 4, 4, 1, 1), fma=True),
-    # scale codes a K step ahead (``LaunchConfig.scales_ahead``): one group a half, two runs of a
-    # dot (BM 16 "dot"), zero points, halves of two groups (NVFP4)
-    W4Case("mxfp4 swap gemm2 BM 16, scales ahead", "mxfp4", "gemm2", (16, 64, 128, 1, 4, 3, 1, 1), ahead=True),
-    W4Case("mxfp4 dot gemm2 two runs, scales ahead", "mxfp4", "gemm2", (16, 128, 128, 1, 4, 3, 1, 0), ahead=True),
-    W4Case("int4 g64 zp dot gemm2, scales ahead", "int4_g64_zp", "gemm2", (16, 64, 128, 1, 4, 4, 1, 0), ahead=True),
-    W4Case("nvfp4 swap gemm2, scales ahead", "nvfp4", "gemm2", (128, 128, 128, 8, 8, 3, 1, 1), ahead=True),
+    # scale codes a K step ahead or at its start (``LaunchConfig.scale_loads``): one group a half,
+    # two runs of a dot (BM 16 "dot"), zero points, halves of two groups (NVFP4), a gated GEMM1
+    W4Case("mxfp4 swap gemm2 BM 16, scales ahead", "mxfp4", "gemm2", (16, 64, 128, 1, 4, 3, 1, 1), loads=1),
+    W4Case("mxfp4 dot gemm2 two runs, scales ahead", "mxfp4", "gemm2", (16, 128, 128, 1, 4, 3, 1, 0), loads=1),
+    W4Case("int4 g64 zp dot gemm2, scales ahead", "int4_g64_zp", "gemm2", (16, 64, 128, 1, 4, 4, 1, 0), loads=1),
+    W4Case("nvfp4 swap gemm2, scales ahead", "nvfp4", "gemm2", (128, 128, 128, 8, 8, 3, 1, 1), loads=1),
+    W4Case("mxfp4 swap gemm1 silu, scales at step start", "mxfp4", "gemm1", (16, 64, 128, 1, 4, 3, 1, 1), loads=2),
+    W4Case("nvfp4 swap gemm2, scales at the step's start", "nvfp4", "gemm2", (128, 128, 128, 8, 8, 3, 1, 1), loads=2),
 ]
 
 
@@ -295,7 +297,7 @@ def compile_w4_case(case: W4Case) -> dict:
         if case.scale_dtype is not None:
             q.scale = q.scale.to(dt[case.scale_dtype])
         w = Operand(to_w4(q, tq), tq)
-        cfg = LaunchConfig(*case.cfg[:6], split_k=case.cfg[6], w_major=case.cfg[7], scales_ahead=case.ahead)
+        cfg = LaunchConfig(*case.cfg[:6], split_k=case.cfg[6], w_major=case.cfg[7], scale_loads=case.loads)
         act = ActEpilogue(Activation.SILU) if case.gemm == "gemm1" else None
         n = n_w // 2 if act is not None else n_w
         fmt = GemmFormat.of(tq, None, n_w, kd, q.zero is not None)

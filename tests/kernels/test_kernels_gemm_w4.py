@@ -186,16 +186,19 @@ def test_launch_config_new_fields():
         LaunchConfig(split_k=0)
     with pytest.raises(ValueError):
         LaunchConfig(w_major=2)
-    ahead = LaunchConfig.parse("16,64,128,1,4,3,scales_ahead=1")
-    assert ahead.scales_ahead and ahead == LaunchConfig(16, 64, 128, 1, 4, 3, scales_ahead=True)
+    loads = LaunchConfig.parse("16,64,128,1,4,3,scale_loads=2")
+    assert loads.scale_loads == 2 and loads == LaunchConfig(16, 64, 128, 1, 4, 3, scale_loads=2)
+    with pytest.raises(ValueError):
+        LaunchConfig(scale_loads=3)
 
 
-def test_fit_w4_config_keeps_scales_ahead_on_tensor_core_tiles_only():
+def test_fit_w4_config_keeps_scale_loads_on_tensor_core_tiles_only():
     """The FMA path loads its own operands a step ahead: the knob is dropped there, so its tuned
     entries and compiled variants stay one per config."""
     w4 = to_w4(_quantized(SCHEMES["mxfp4"], 2, 16, 2880), SCHEMES["mxfp4"].w1)
-    assert fit_w4_config(LaunchConfig(16, 64, 128, 1, 4, 3, w_major=1, scales_ahead=True), w4).scales_ahead
-    assert not fit_w4_config(LaunchConfig(1, 32, 128, 1, 4, 4, w_major=1, scales_ahead=True), w4).scales_ahead
+    for v in (1, 2):
+        assert fit_w4_config(LaunchConfig(16, 64, 128, 1, 4, 3, w_major=1, scale_loads=v), w4).scale_loads == v
+        assert fit_w4_config(LaunchConfig(1, 32, 128, 1, 4, 4, w_major=1, scale_loads=v), w4).scale_loads == 0
 
 
 def test_fit_and_default_w4_config():
@@ -387,12 +390,12 @@ class Case:
     split: int = 1
     edge: tuple = EDGES[2]
     bias: bool = True
-    ahead: bool = False  # LaunchConfig.scales_ahead
+    loads: int = 0  # LaunchConfig.scale_loads
 
     @property
     def id(self) -> str:
         act = "plain" if self.act is None else self.act.value
-        tail = "-ahead" if self.ahead else ""
+        tail = ("", "-ahead", "-at_start")[self.loads]
         return f"{self.scheme}-{self.mode}-{self.layout}-{act}-s{self.split}-{self.edge[0]}{tail}"
 
 
@@ -422,12 +425,15 @@ def _cases() -> list[Case]:
     # inside the second block (K 192), halves of one and of two groups, both layouts, split-K
     for i, scheme in enumerate(("mxfp4", "nvfp4", "int4_g16_zp", "int4_g32_actorder")):
         out.append(Case(scheme, "cat", ("standard", "batched")[i % 2], ACTS[(i + 1) % 3], (1, 3)[i // 2], EDGES[4]))
-    # scale (and zero-point) codes loaded a K step ahead (``scales_ahead``): every tensor-core
-    # mode, a half of one group, of two (NVFP4), two runs a dot (BK 128), act-order, zero points,
-    # K ending inside a step (K 192: the last step's groups past K masked), split-K, both layouts
-    for i, scheme in enumerate(("mxfp4", "nvfp4", "int4_g16_zp", "int4_g32_actorder", "int4_g128", "mxfp4")):
-        mode, split, edge = ("dot", "swap", "cat")[i % 3], (1, 2, 3)[i % 3], EDGES[(4, 2)[i // 4]]
-        out.append(Case(scheme, mode, ("standard", "batched")[i % 2], ACTS[i % 3], split, edge, ahead=True))
+    # scale (and zero-point) codes loaded a K step ahead or at the step's start (``scale_loads``):
+    # every tensor-core mode, a half of one group, of two (NVFP4), two runs a dot (BK 128),
+    # act-order, zero points, K ending inside a step (K 192: the last step's groups past K
+    # masked), split-K, both layouts
+    for loads in (1, 2):
+        for i, scheme in enumerate(("mxfp4", "nvfp4", "int4_g16_zp", "int4_g32_actorder", "int4_g128", "mxfp4")):
+            mode, split, edge = ("dot", "swap", "cat")[(i + loads) % 3], (1, 2, 3)[i % 3], EDGES[(4, 2)[i // 4]]
+            layout = ("standard", "batched")[(i + loads) % 2]
+            out.append(Case(scheme, mode, layout, ACTS[i % 3], split, edge, loads=loads))
     return out
 
 
@@ -456,7 +462,7 @@ def run_case(c: Case, out_dtype=torch.float32, device: str = DEVICE, config: Lau
         # the FMA path steps one pack block (BK 64) or two (BK 256, odd splits); the tensor
         # cores BK 64 or, odd splits, 128: two 64-column blocks per dot (``dot_runs``)
         bk = (256 if bm < 16 else 128) if c.split % 2 else 64
-        config = LaunchConfig(bm, 32 if n_w > n else 64, bk, 2, 4, 2, c.split, w_major, scales_ahead=c.ahead)
+        config = LaunchConfig(bm, 32 if n_w > n else 64, bk, 2, 4, 2, c.split, w_major, scale_loads=c.loads)
     counts = torch.tensor([(t * k) % 7, 0, 5, 1, 9][: max(2, min(e, 5))], dtype=torch.int32)
     if c.layout == "batched":  # experts of a partial block, none, a few, one, two blocks
         e = counts.numel()
@@ -637,15 +643,16 @@ def test_w4_gemm_real_shapes(scheme, shape, gemm):
 @pytest.mark.parametrize("gemm", ["gemm1", "gemm2"])
 @pytest.mark.parametrize("shape", REAL[1:], ids=[f"E{s[0]}_H{s[1]}_I{s[2]}_T{s[3]}" for s in REAL[1:]])
 @pytest.mark.parametrize("scheme", ["int4_g64_zp", "int4_g32_actorder", "mxfp4", "nvfp4"])
-def test_w4_gemm_real_shapes_scales_ahead(scheme, shape, gemm):
-    """The layer's tensor-core configs with the scale codes loaded a K step ahead
-    (``LaunchConfig.scales_ahead``), as a tuned entry may ask."""
+@pytest.mark.parametrize("loads", [1, 2], ids=["ahead", "at_start"])
+def test_w4_gemm_real_shapes_scale_loads(scheme, shape, gemm, loads):
+    """The layer's tensor-core configs with the scale codes loaded a K step ahead or at the step's
+    start (``LaunchConfig.scale_loads``), as a tuned entry may ask."""
     e, h, i, t, k = shape
     n, kd, act = (i, h, Activation.SILU) if gemm == "gemm1" else (h, i, None)
     w_rows = 2 * n if act is not None else n
     probe = to_w4(_quantized(SCHEMES[scheme], 1, 16, kd), SCHEMES[scheme].w1)
     cfg = w4_launch_config(t * k, e, w_rows, kd, probe, gated=act is not None)
-    cfg = dataclasses.replace(gated_act_config(cfg) if act is not None else cfg, scales_ahead=True)
+    cfg = dataclasses.replace(gated_act_config(cfg) if act is not None else cfg, scale_loads=loads)
     assert cfg.block_m >= 16
-    case = Case(scheme, "swap", act=act, edge=(f"real_{gemm}_ahead", t, e, k, "random", n, kd))
+    case = Case(scheme, "swap", act=act, edge=(f"real_{gemm}_loads{loads}", t, e, k, "random", n, kd))
     run_case(case, out_dtype=torch.bfloat16, config=cfg)

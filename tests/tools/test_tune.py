@@ -504,19 +504,19 @@ def test_the_shipped_entry_is_screened_retimed_and_beaten_only_by_a_faster_one(
     assert ("4.00" if not shipped_wins else "1.00") in rep.markdown().split("| x shipped |")[1]
 
 
-@pytest.mark.parametrize("ahead_faster", [True, False], ids=["ahead_faster", "ahead_slower"])
-def test_w4_steps_time_their_best_with_scales_ahead_flipped(tmp_path, ahead_faster):
-    """The w4 space does not sweep ``scales_ahead`` (it would double it): each tensor-core step
-    times its best finalist with the knob flipped, checked against the heuristic's output, and
-    keeps whichever is faster; the FMA path (BM < 16) has no such variant."""
+@pytest.mark.parametrize("fastest", [0, 1, 2], ids=["at_use", "ahead", "at_start"])
+def test_w4_steps_time_their_best_with_each_scale_loads(tmp_path, fastest):
+    """The w4 space does not sweep ``scale_loads`` (it would triple it): each tensor-core step
+    times its best finalist with the knob's other two values, checked against the heuristic's
+    output, and keeps the fastest; the FMA path (BM < 16) has no such variant."""
     assert space.knob_variants(LaunchConfig(1, 32, 128, 1, 4, 4, w_major=1), True) == []
     assert space.knob_variants(LaunchConfig(16, 32, 128, 1, 4, 2), False) == []
-    ft = FakeTime(lambda cfg: 0.25 if cfg.scales_ahead == ahead_faster else 1.0)
+    ft = FakeTime(lambda cfg: 0.25 if cfg.scale_loads == fastest else 1.0)
     rep = tune_many(["tiny-a"], ["mxfp4"], [8], out_dir=tmp_path, space="tiny", device="cpu",
                     timer=ft.timer, clock=ft.clock, top=1)  # fmt: skip
     steps = list(rep.combos[0].steps.values())
     assert steps and all(r.cfg.block_m >= 16 for r in steps)
-    assert all(r.cfg.scales_ahead == ahead_faster for r in steps)
-    assert any(cfg.scales_ahead for cfg, _ in ft.calls)  # the flipped variant was timed
+    assert all(r.cfg.scale_loads == fastest for r in steps)
+    assert {cfg.scale_loads for cfg, _ in ft.calls} == {0, 1, 2}  # every value was timed
     for f in rep.files:
-        assert {LaunchConfig(**c).scales_ahead for c in _json(f)["configs"].values()} == {ahead_faster}
+        assert {LaunchConfig(**c).scale_loads for c in _json(f)["configs"].values()} == {fastest}

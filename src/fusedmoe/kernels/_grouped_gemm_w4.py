@@ -522,7 +522,7 @@ def _w4_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
-    SCALES_AHEAD: tl.constexpr,  # tensor-core tiles: scale codes loaded a K step ahead (LaunchConfig)
+    SCALE_LOADS: tl.constexpr,  # tensor-core tiles: where scale codes are loaded (LaunchConfig.scale_loads)
 ):  # fmt: skip
     # 119 lines: one Triton kernel; the unpack, the FMA/dot paths and the split-K epilogue are constexpr branches and
     # @triton.jit helpers.
@@ -603,9 +603,10 @@ def _w4_gemm_kernel(
         # measured slower with it (MXFP4 BM 16: Qwen3 GEMM1 T = 256 227 -> 258 us).
         if MODE == "swap":
             tl.assume(k_hi > k_lo)
-        # SCALES_AHEAD: each step's scale codes come from the step before (``_w4_step_codes``)
+        # where each step's scale codes are loaded (``LaunchConfig.scale_loads``, ``_w4_step_codes``):
+        # 0 beside each block's unpack, 1 in the step before, 2 all at the step's start
         nxt_g, nxt_u = None, None
-        if SCALES_AHEAD:
+        if SCALE_LOADS == 1:
             ws_n, wz_n = _w4_step_scales(ws_base, wz_base, k_lo, stride_wsk, GROUP)
             nxt_g, nxt_u = _w4_step_codes(
                 ws_n, wz_n, g_cols, u_cols, n_ok, k_lo, KP, stride_wsn, stride_wsk, GROUP, BLOCK_K, HAS_ZERO, GATED
@@ -613,7 +614,11 @@ def _w4_gemm_kernel(
         for k0 in range(k_lo, k_hi, BLOCK_K):
             ws_k, wz_k = _w4_step_scales(ws_base, wz_base, k0, stride_wsk, GROUP)
             pre_g, pre_u = nxt_g, nxt_u
-            if SCALES_AHEAD:
+            if SCALE_LOADS == 2:
+                pre_g, pre_u = _w4_step_codes(
+                    ws_k, wz_k, g_cols, u_cols, n_ok, k0, KP, stride_wsn, stride_wsk, GROUP, BLOCK_K, HAS_ZERO, GATED
+                )  # fmt: skip
+            if SCALE_LOADS == 1:
                 k1 = k0 + BLOCK_K
                 ws_n, wz_n = _w4_step_scales(ws_base, wz_base, k1, stride_wsk, GROUP)
                 nxt_g, nxt_u = _w4_step_codes(

@@ -62,7 +62,7 @@ def supports(w_quant: TensorQuant | None, a_quant: TensorQuant | None, dtype: to
 def fit_w4_config(cfg: LaunchConfig, w: W4Tensor) -> LaunchConfig:
     """``cfg`` made valid for ``w``: BK a multiple of the layout's pack block (and no more K than
     the weight has; the FMA path steps one or two pack blocks at a time, ``_w4_gemm_kernel``), w_major
-    only where it means something (BM >= 16 or BM = 1), scales_ahead on tensor-core tiles only, and
+    only where it means something (BM >= 16 or BM = 1), scale_loads on tensor-core tiles only, and
     splits that each get K steps (the kernel assumes its K range is not empty)."""
     kp, pk = w.k_padded, w.pack_block
     if cfg.block_m < 16:  # the FMA path steps one or two pack blocks at a time
@@ -73,11 +73,11 @@ def fit_w4_config(cfg: LaunchConfig, w: W4Tensor) -> LaunchConfig:
     steps = max(1, cdiv(kp, bk))
     split = max(1, min(cfg.split_k, steps))
     split = cdiv(steps, cdiv(steps, split))  # no split left without K: the kernel assumes one
-    ahead = cfg.scales_ahead and cfg.block_m >= 16  # the FMA path loads its own step ahead
-    if (bk, w_major, split, ahead) == (cfg.block_k, cfg.w_major, cfg.split_k, cfg.scales_ahead):
+    loads = cfg.scale_loads if cfg.block_m >= 16 else 0  # the FMA path loads its own step ahead
+    if (bk, w_major, split, loads) == (cfg.block_k, cfg.w_major, cfg.split_k, cfg.scale_loads):
         return cfg
     return LaunchConfig(
-        cfg.block_m, cfg.block_n, bk, cfg.group_m, cfg.num_warps, cfg.num_stages, split, w_major, scales_ahead=ahead
+        cfg.block_m, cfg.block_n, bk, cfg.group_m, cfg.num_warps, cfg.num_stages, split, w_major, scale_loads=loads
     )
 
 
@@ -246,7 +246,7 @@ def w4_gemm_launch(
         GATED=act is not None and p is None and act.activation.is_gated,
         INTERLEAVED=act is not None and act.gate_up_interleaved,
         OUT_QUANT="none" if p is not None else oq, EXACT_CAST=interpreting(),
-        MODE=_mode(cfg), FAST=fast_unpack(cfg, w, a.dtype), SCALES_AHEAD=cfg.scales_ahead,
+        MODE=_mode(cfg), FAST=fast_unpack(cfg, w, a.dtype), SCALE_LOADS=cfg.scale_loads,
         SPLIT_SCALE=w.scale.dtype != a.dtype if w.w_fmt == "int4" else not w.e2m1_one_mul,
         SPLIT_K=cfg.split_k, EVEN_K=kd == w.k_padded and w.k_padded % cfg.block_k == 0,
         A_SLOT=permuted and not rows.batched, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,

@@ -41,9 +41,10 @@ class LaunchConfig:
     ``moe_sum`` (or a reduce kernel) sums in a fixed order; 1 = no split. w_major: 1 puts the
     weight tile first: the dot computes C^T = W @ A^T (the dequantized W tile feeds the tensor
     cores from registers), and at BM = 1 the FMA path keeps a partial sum per K position, reduced
-    once after the K loop. scales_ahead (tensor-core tiles): each K step's scale (and zero-point)
-    codes are loaded one step before their use, carried through the loop; the tuner keeps it
-    where it measures faster (small and GEMM2 tiles: PERF_LOG, twelfth session).
+    once after the K loop. scale_loads (tensor-core tiles): where a K step's scale (and
+    zero-point) codes are loaded: 0 beside each pack block's unpack, 1 one step before (carried
+    through the loop), 2 all of them at the step's start; the tuner picks per tile (each is the
+    fastest somewhere: PERF_LOG, twelfth session).
 
     The persistent TMA-fed kernel (``grouped_gemm_persistent``, prefill on Hopper) runs
     instead of the one-program-per-tile kernel when ``persistent`` is set and it serves the
@@ -71,7 +72,7 @@ class LaunchConfig:
     flatten: bool = True
     epilogue_subtile: int = 1
     programs_per_sm: int = 1
-    scales_ahead: bool = False
+    scale_loads: int = 0
 
     def __post_init__(self) -> None:
         bm = self.block_m
@@ -89,6 +90,7 @@ class LaunchConfig:
         expect(self.w_major in (0, 1), "LaunchConfig.w_major", "0 or 1", self.w_major)
         expect(self.epilogue_subtile in (1, 2), "LaunchConfig.epilogue_subtile", "1 or 2", self.epilogue_subtile)
         expect(self.programs_per_sm in (1, 2), "LaunchConfig.programs_per_sm", "1 or 2", self.programs_per_sm)
+        expect(self.scale_loads in (0, 1, 2), "LaunchConfig.scale_loads", "0, 1 or 2", self.scale_loads)
 
     @classmethod
     def parse(cls, text: str) -> LaunchConfig:

@@ -229,13 +229,14 @@ def families_first(ranked: list[LaunchConfig], head: int) -> list[LaunchConfig]:
 
 def knob_variants(best: LaunchConfig, w4: bool) -> list[LaunchConfig]:
     """The configs a step times beside its best finalist without screening them: the knobs whose
-    effect depends on the tile more than any distance says, so that sweeping them would double
-    the space. The w4 kernel's ``scales_ahead`` (tensor-core tiles): measured 1.18x faster on
-    Mixtral's MXFP4 GEMM2 at T = 16 (BM 16) and 1.9x slower on its GEMM1 at T = 4096 (BM 128),
-    where the compiler then converts the dequantized W tile through shared memory (H200,
-    PERF_LOG twelfth session)."""
+    effect depends on the tile more than any distance says, so that sweeping them would multiply
+    the space. The w4 kernel's ``scale_loads`` (tensor-core tiles): the other two places. H200,
+    MXFP4 (PERF_LOG twelfth session): a step ahead 1.18x faster on Mixtral's GEMM2 at T = 16
+    (BM 16) and 1.9x slower on its GEMM1 at T = 4096 (BM 128), where the compiler then converts
+    the dequantized W tile through shared memory; at the step's start 1.07x on GEMM1 at T = 16,
+    0.91x on Mixtral's GEMM1 at T = 256."""
     if w4 and best.block_m >= 16:
-        return [replace(best, scales_ahead=not best.scales_ahead)]
+        return [replace(best, scale_loads=v) for v in (0, 1, 2) if v != best.scale_loads]
     return []
 
 
