@@ -316,7 +316,7 @@ def _w4_tiles(
     at ``kb``: FAST, paired 16-bit math in PTX (``_w4_unpack``); else one fp32 FMA per weight
     and a cast. Scales and zero points: ``ws_base`` and ``wz_base`` start at the K step's first
     group, where ``kb`` is column KS and KP column ``kps`` (``_w4_step_scales``); ``pre``: the
-    step's codes, loaded a step ahead (``_w4_step_codes``)."""
+    step's codes, loaded beforehand (``_w4_step_codes``: ``LaunchConfig.scale_loads`` 1 or 2)."""
     byte = _w4_bytes(w_base, cols, ok, kb, stride_wn, stride_wk, HALF, RUNS, PK, KP)
     if FAST:
         ws_rows = ws_base + cols * stride_wsn
@@ -423,7 +423,7 @@ def _w4_dot_step(
     over the RUNS blocks' halves (K = RUNS * HALF: 32-column halves make K = 32 dots, which
     wait for each other; two runs make K = 64 ones), or under CAT (``grouped_gemm_w4.dot_cat``)
     one dot over the RUNS blocks in K order with A's step loaded as it lies. ``pre_g``, ``pre_u``:
-    the step's scale codes of the gate and up rows, loaded a step ahead (``_w4_step_codes``)."""
+    the step's scale codes of the gate and up rows, loaded beforehand (``_w4_step_codes``), or None."""
     if EVEN_K:
         ok = n_ok
     else:

@@ -31,9 +31,9 @@ def _w4_group(
     1) or its words (PER 4, "fma1": a word's four columns share a group, groups being >= 16).
     zero: the stored zero point, 8 for symmetric int4 (codes are c - 8), 0 for e2m1 (unused).
     RUNS > 1 (``_w4_dot_step``): the half of RUNS consecutive pack blocks, [R, RUNS * HALF]
-    (columns kh + r * PK + c, c < HALF), runs at or past KP masked. ``pre``: the step's codes
-    loaded one step ahead (``_w4_step_codes``; ``kh`` is then the half's static column in the
-    step), used in place of the loads."""
+    (columns kh + r * PK + c, c < HALF), runs at or past KP masked. ``pre``: the step's codes,
+    loaded beforehand (``_w4_step_codes``; ``kh`` is then the half's static column in the step),
+    used in place of the loads."""
     z = 8.0 if W_FMT == "int4" else 0.0
     if pre is not None:
         s, z = _w4_group_pre(pre, kh, W_FMT, GROUP, HALF, HAS_ZERO, R, RUNS, PK, PER, RAW)
