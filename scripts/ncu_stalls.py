@@ -29,6 +29,8 @@ KEYS = {  # label: metric name (first found)
     "grid": ["launch__grid_size"],
     "smem KiB": ["launch__shared_mem_per_block_dynamic"],
 }  # fmt: skip
+# the units ncu writes for durations (its first run here wrote "ms" where "msecond" was expected)
+TO_US = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3, "s": 1e6, "second": 1e6}
 STALL = re.compile(r"smsp__average_warps?_issue_stalled_(\w+)_per_issue_active\.ratio$")
 
 
@@ -55,7 +57,7 @@ def raw_summary(path: str) -> str:
             v = _num(r[col[m]]) if m else None
             if v is not None and label == "time us":
                 unit = units[col[m]]
-                v = v / 1e3 if unit == "nsecond" else v * 1e3 if unit == "msecond" else v
+                v *= TO_US.get(unit.strip().lower(), float("nan"))  # an unknown unit shows as nan
             if v is not None and label == "smem KiB":
                 v = v / 1024 if units[col[m]] == "byte" else v
             vals.append(f"{label} {v:.1f}" if v is not None else f"{label} -")
@@ -74,20 +76,20 @@ def raw_summary(path: str) -> str:
 
 
 def source_summary(path: str, top: int = 40) -> str:
-    lines = open(path, newline="").read().splitlines()
+    """The hottest SASS lines of each kernel's block of the source page (a block starts at its
+    header row, whose first field is "#" or "Address" as ncu versions write it)."""
     out, block = [], []
-    for ln in lines + ['"Address"']:  # a header row starts each kernel's block
-        if ln.startswith('"Address"') or ln.startswith('"#"') or ln.startswith("Kernel"):
+    for row in list(csv.reader(open(path, newline=""))) + [["#"]]:
+        if row and row[0].strip() in ("#", "Address"):
             if len(block) > 1:
                 out.append(_source_block(block, top))
-            block = [ln] if ln.startswith('"') else []
+            block = [row]
         elif block:
-            block.append(ln)
+            block.append(row)
     return "\n".join(out) if out else "no source rows found"
 
 
-def _source_block(block: list[str], top: int) -> str:
-    rows = list(csv.reader(block))
+def _source_block(rows: list[list[str]], top: int) -> str:
     head = rows[0]
     src = next((i for i, h in enumerate(head) if h.lower() in ("source", "sass")), None)
     samp = next((i for i, h in enumerate(head) if "Sampling (All" in h or h.startswith("Warp Stall Sampling")), None)
