@@ -5,8 +5,8 @@
 Per case (preset:scheme:T): the weights the bench uses (``tools.bench.bench_weights``), the kernel
 the oracle builds, ``--warmup`` calls (compiles, autotuned caches), then one call between
 ``cudaProfilerStart`` / ``cudaProfilerStop``: run under ``ncu --profile-from-start off`` only that
-call's kernels are profiled. Each case prints its kernels' names and times (torch profiler-free:
-CUDA events around the whole call) so the report can be matched to the layer's parts.
+call's kernels are profiled. Each case prints the experts backend it ran and the call's time
+(CUDA events around it, eager), to read the report's kernels against.
 """
 
 from __future__ import annotations
