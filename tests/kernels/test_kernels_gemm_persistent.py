@@ -542,8 +542,10 @@ def test_launch_config_fields():
         LaunchConfig(epilogue_subtile=3)
     with pytest.raises(ValueError, match="programs_per_sm"):
         LaunchConfig(programs_per_sm=3)
+    n_fields = len(dataclasses.fields(LaunchConfig))
+    assert LaunchConfig.parse("64,128,64,8,4,3" + ",1" * (n_fields - 6)).scale_loads == 1  # every field
     with pytest.raises(ValueError):
-        LaunchConfig.parse("64,128,64,8,4,3,1,1,1,1,1,1,1,1")  # one more than the fields
+        LaunchConfig.parse("64,128,64,8,4,3" + ",1" * (n_fields - 5))  # one more than the fields
 
 
 @needs_triton
