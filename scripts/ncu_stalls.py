@@ -95,7 +95,7 @@ def _source_block(rows: list[list[str]], top: int) -> str:
     samp = next((i for i, h in enumerate(head) if "Sampling (All" in h or h.startswith("Warp Stall Sampling")), None)
     if src is None or samp is None:
         return "columns: " + ", ".join(head)
-    reasons = [i for i, h in enumerate(head) if h.startswith("stall_") or "Stall" in h and i not in (samp,)]
+    reasons = [i for i, h in enumerate(head) if h.startswith("stall_")]  # not the sample totals
     data = [r for r in rows[1:] if len(r) == len(head) and _num(r[samp]) is not None]
     total = sum(_num(r[samp]) for r in data) or 1.0
     data.sort(key=lambda r: -_num(r[samp]))

@@ -49,9 +49,14 @@ def test_raw_page_unknown_time_unit_is_not_passed_off_as_microseconds(tmp_path):
 
 
 def test_source_page_hottest_lines_first_with_their_top_reasons(tmp_path):
-    head = ["Address", "Source", "Warp Stall Sampling (All Samples)", "stall_long_sb", "stall_barrier"]
-    rows = [head, ["0x10", "LDG.E.U8 R1, [R2]", "10", "1", "9"], ["0x20", "SHF.L.U32 R3, R1, 0x17", "70", "65", "5"],
-            ["0x30", "HGMMA.64x128x16", "20", "0", "0"]]  # fmt: skip
+    head = ["Address", "Source", "Warp Stall Sampling (All Samples)", "stall_long_sb", "stall_barrier",
+            "Warp Stall Sampling (Not-issued Samples)"]  # fmt: skip
+    rows = [
+        head,
+        ["0x10", "LDG.E.U8 R1, [R2]", "10", "1", "9", "8"],
+        ["0x20", "SHF.L.U32 R3, R1, 0x17", "70", "65", "5", "69"],
+        ["0x30", "HGMMA.64x128x16", "20", "0", "0", "1"],
+    ]
     path = tmp_path / "source.csv"
     second = [["#", *head[1:]], rows[1]]  # a second kernel's block, its header as other ncu versions write it
     path.write_text(_csv(rows) + _csv(second))
@@ -60,4 +65,5 @@ def test_source_page_hottest_lines_first_with_their_top_reasons(tmp_path):
     out = blocks[0].splitlines()
     assert out[0].startswith("3 SASS lines, 100 samples")
     assert "70.0%" in out[1] and "SHF.L.U32" in out[1] and "stall_long_sb=65" in out[1]
+    assert "Not-issued" not in out[1]  # a sample total, not a reason
     assert "HGMMA" in out[2] and len(out) == 3

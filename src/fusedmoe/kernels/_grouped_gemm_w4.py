@@ -72,9 +72,9 @@ from ._w4_operands import (
     _w4_group,
     _w4_raw,
     _w4_step_codes,
+    _w4_step_scales,
     _w4_unpack_args,
     _w4_unword,
-    udiv,
 )
 from ._w4_unpack import e2m1_word_f32, w4_unpack
 
@@ -279,15 +279,6 @@ def _w4_word_mac(
         h2, h3 = _w4_raw(y2, True, W_FMT) * sc_hi + b_hi, _w4_raw(y3, True, W_FMT) * sc_hi + b_hi
     acc = tl.fma(_w4_unword(l0, l1, l2, l3, R, HALF), a_lo, acc)
     return tl.fma(_w4_unword(h0, h1, h2, h3, R, HALF), a_hi, acc)
-
-
-@triton.jit
-def _w4_step_scales(ws_base, wz_base, k0, stride_wsk, GROUP: tl.constexpr):
-    """Scale and zero-point pointers advanced to the first group of the K step at ``k0`` (>= 0, a
-    multiple of the step and so of GROUP): the step's tiles then index their groups by constants,
-    one address a row for all of them instead of a division and an address a load."""
-    g = udiv(k0, GROUP)
-    return ws_base + g * stride_wsk, wz_base + g * stride_wsk
 
 
 @triton.jit
@@ -607,24 +598,27 @@ def _w4_gemm_kernel(
         # 0 beside each block's unpack, 1 in the step before, 2 all at the step's start
         nxt_g, nxt_u = None, None
         if SCALE_LOADS == 1:
-            ws_n, wz_n = _w4_step_scales(ws_base, wz_base, k_lo, stride_wsk, GROUP)
             nxt_g, nxt_u = _w4_step_codes(
-                ws_n, wz_n, g_cols, u_cols, n_ok, k_lo, KP, stride_wsn, stride_wsk, GROUP, BLOCK_K, HAS_ZERO, GATED
+                ws_base, wz_base, g_cols, u_cols, n_ok, k_lo, KP, stride_wsn, stride_wsk,
+                GROUP, BLOCK_K, HAS_ZERO, GATED,
             )  # fmt: skip
         for k0 in range(k_lo, k_hi, BLOCK_K):
             ws_k, wz_k = _w4_step_scales(ws_base, wz_base, k0, stride_wsk, GROUP)
             pre_g, pre_u = nxt_g, nxt_u
-            if SCALE_LOADS == 2:
-                pre_g, pre_u = _w4_step_codes(
-                    ws_k, wz_k, g_cols, u_cols, n_ok, k0, KP, stride_wsn, stride_wsk, GROUP, BLOCK_K, HAS_ZERO, GATED
-                )  # fmt: skip
-            if SCALE_LOADS == 1:
-                k1 = k0 + BLOCK_K
-                ws_n, wz_n = _w4_step_scales(ws_base, wz_base, k1, stride_wsk, GROUP)
-                nxt_g, nxt_u = _w4_step_codes(
-                    ws_n, wz_n, g_cols, u_cols, n_ok & (k1 < k_hi), k1, KP, stride_wsn, stride_wsk,
+            if SCALE_LOADS > 0:  # this step's codes (2), or the next step's (1)
+                kc = k0
+                ok_c = n_ok
+                if SCALE_LOADS == 1:  # past the last step: nothing to load
+                    kc = k0 + BLOCK_K
+                    ok_c = n_ok & (kc < k_hi)
+                codes = _w4_step_codes(
+                    ws_base, wz_base, g_cols, u_cols, ok_c, kc, KP, stride_wsn, stride_wsk,
                     GROUP, BLOCK_K, HAS_ZERO, GATED,
                 )  # fmt: skip
+                if SCALE_LOADS == 2:
+                    pre_g, pre_u = codes
+                else:
+                    nxt_g, nxt_u = codes
             for j in tl.static_range(BLOCK_K // (RUNS * PK)):
                 kb = k0 + j * RUNS * PK
                 acc, acc_u = _w4_dot_step(

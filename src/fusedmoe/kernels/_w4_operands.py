@@ -35,45 +35,62 @@ def _w4_group(
     loaded beforehand (``_w4_step_codes``; ``kh`` is then the half's static column in the step),
     used in place of the loads."""
     z = 8.0 if W_FMT == "int4" else 0.0
-    if pre is not None:
-        s, z = _w4_group_pre(pre, kh, W_FMT, GROUP, HALF, HAS_ZERO, R, RUNS, PK, PER, RAW)
-    elif HALF <= GROUP and RUNS == 1:
-        if RAW:  # "fma1": ~3 SASS a load fewer
-            g = udiv(kh, GROUP)
+    zc = z
+    if HALF <= GROUP and RUNS == 1:
+        if pre is not None:
+            s, zc = _pre_codes(pre, kh // GROUP, 1, 0, 1, HAS_ZERO)
         else:
-            g = kh // GROUP
-        s = tl.load(ws_rows + g * stride_wsk, mask=ok, other=0)
+            if RAW:  # "fma1": ~3 SASS a load fewer
+                g = udiv(kh, GROUP)
+            else:
+                g = kh // GROUP
+            s = tl.load(ws_rows + g * stride_wsk, mask=ok, other=0)
+            if HAS_ZERO:
+                zc = tl.load(wz_rows + g * stride_wsk, mask=ok, other=0)
         if not RAW:
             s = _decode_scale(s, W_FMT)
         s = s[:, None]
         if HAS_ZERO:
-            z = tl.load(wz_rows + g * stride_wsk, mask=ok, other=0).to(tl.float32)[:, None]
+            z = zc.to(tl.float32)[:, None]
     else:
         NH: tl.constexpr = HALF // GROUP  # groups of one block's half (RUNS > 1 needs HALF >= GROUP)
-        idx = tl.arange(0, RUNS * NH)
-        run = idx // NH
-        g = kh // GROUP + run * (PK // GROUP) + idx % NH
-        m = ok[:, None]
-        if RUNS > 1:
-            m = m & (kh + run * PK < KP)[None, :]
+        if pre is not None:
+            s, zc = _pre_codes(pre, kh // GROUP, NH, PK // GROUP, RUNS, HAS_ZERO)
+        else:
+            idx = tl.arange(0, RUNS * NH)
+            run = idx // NH
+            g = kh // GROUP + run * (PK // GROUP) + idx % NH
+            m = ok[:, None]
+            if RUNS > 1:
+                m = m & (kh + run * PK < KP)[None, :]
+            s = tl.load(ws_rows[:, None] + g[None, :] * stride_wsk, mask=m, other=0)
+            if HAS_ZERO:
+                zc = tl.load(wz_rows[:, None] + g[None, :] * stride_wsk, mask=m, other=0)
         shape: tl.constexpr = [R, RUNS * NH, GROUP // PER]
-        s = tl.load(ws_rows[:, None] + g[None, :] * stride_wsk, mask=m, other=0)
         if not RAW:
             s = _decode_scale(s, W_FMT)
         s = tl.reshape(tl.broadcast_to(s[:, :, None], shape), [R, RUNS * HALF // PER])
         if HAS_ZERO:
-            z = tl.load(wz_rows[:, None] + g[None, :] * stride_wsk, mask=m, other=0).to(tl.float32)
-            z = tl.reshape(tl.broadcast_to(z[:, :, None], shape), [R, RUNS * HALF // PER])
+            z = tl.reshape(tl.broadcast_to(zc.to(tl.float32)[:, :, None], shape), [R, RUNS * HALF // PER])
     return s, z
 
 
 @triton.jit
+def _w4_step_scales(ws_base, wz_base, k0, stride_wsk, GROUP: tl.constexpr):
+    """Scale and zero-point pointers advanced to the first group of the K step at ``k0`` (>= 0, a
+    multiple of the step and so of GROUP): the step's tiles then index their groups by constants,
+    one address a row for all of them instead of a division and an address a load."""
+    g = udiv(k0, GROUP)
+    return ws_base + g * stride_wsk, wz_base + g * stride_wsk
+
+
+@triton.jit
 def _w4_step_codes(
-    ws_k, wz_k, g_cols, u_cols, ok, k0, KP, stride_wsn, stride_wsk,
+    ws_base, wz_base, g_cols, u_cols, ok, k0, KP, stride_wsn, stride_wsk,
     GROUP: tl.constexpr, BLOCK_K: tl.constexpr, HAS_ZERO: tl.constexpr, GATED: tl.constexpr,
 ):  # fmt: skip
-    """The stored scale (and zero-point) codes of the K step at ``k0`` whose first group ``ws_k``
-    and ``wz_k`` point at (``_w4_step_scales``), as (gate rows, up rows): each a tuple of one
+    """The stored scale (and zero-point) codes of the K step at ``k0`` (``ws_base``, ``wz_base``:
+    the expert's scales and zero points), as (gate rows, up rows): each a tuple of one
     [R] tile per group of the step (NG = BLOCK_K / GROUP, at least 1), then, HAS_ZERO, as many
     zero-point tiles; groups at or past KP, and a step at or past ``k_hi`` (``ok`` false), masked.
     For ``LaunchConfig.scale_loads`` 1 (loaded in the step before, carried) and 2 (all loaded at
@@ -84,6 +101,7 @@ def _w4_step_codes(
     tile to the MMA's layout through shared memory each step (sm_90 build: 16 STS, 9 barriers,
     the loop 563 -> 796 instructions), 1.9x slower; each choice is the fastest for some tiles."""
     NG: tl.constexpr = (BLOCK_K + GROUP - 1) // GROUP
+    ws_k, wz_k = _w4_step_scales(ws_base, wz_base, k0, stride_wsk, GROUP)
     gate = ()
     up = ()
     for which in tl.static_range(2 if HAS_ZERO else 1):
@@ -99,52 +117,31 @@ def _w4_step_codes(
 
 
 @triton.jit
-def _w4_group_pre(
-    pre, kh: tl.constexpr, W_FMT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, HAS_ZERO: tl.constexpr,
-    R: tl.constexpr, RUNS: tl.constexpr, PK: tl.constexpr, PER: tl.constexpr, RAW: tl.constexpr,
-):  # fmt: skip
-    """``_w4_group``'s (scale, zero) from the step's prefetched codes ``pre`` (``_w4_step_codes``):
-    the half at static column ``kh`` of the step reads group kh // GROUP, or, where it spans
-    groups (HALF > GROUP) or runs (RUNS > 1), the NH x RUNS groups it covers, joined in column
-    order and broadcast over their columns as ``_w4_group`` does."""
-    NG: tl.constexpr = len(pre) // (2 if HAS_ZERO else 1)
-    z = 8.0 if W_FMT == "int4" else 0.0
-    g0: tl.constexpr = kh // GROUP
-    if HALF <= GROUP and RUNS == 1:
-        s = pre[g0]
-        if not RAW:
-            s = _decode_scale(s, W_FMT)
-        s = s[:, None]
-        if HAS_ZERO:
-            z = pre[NG + g0].to(tl.float32)[:, None]
-    else:
-        NH: tl.constexpr = HALF // GROUP
-        STEP: tl.constexpr = PK // GROUP  # groups between runs
-        shape: tl.constexpr = [R, RUNS * NH, GROUP // PER]
-        s = _join_groups(pre, g0, NH, STEP, RUNS, 0)
-        if not RAW:
-            s = _decode_scale(s, W_FMT)
-        s = tl.reshape(tl.broadcast_to(s[:, :, None], shape), [R, RUNS * HALF // PER])
-        if HAS_ZERO:
-            z = _join_groups(pre, g0, NH, STEP, RUNS, NG).to(tl.float32)
-            z = tl.reshape(tl.broadcast_to(z[:, :, None], shape), [R, RUNS * HALF // PER])
-    return s, z
-
-
-@triton.jit
-def _join_groups(pre, g0: tl.constexpr, NH: tl.constexpr, STEP: tl.constexpr, RUNS: tl.constexpr, OFF: tl.constexpr):
-    """[R, RUNS * NH]: the prefetched tiles of groups g0 + r * STEP + h (r < RUNS, h < NH) in that
-    order, for 2 or 4 of them (joins add a trailing axis: (a, c) joined with (b, d) is a, b, c, d)."""
+def _pre_codes(pre, g0: tl.constexpr, NH: tl.constexpr, STEP: tl.constexpr, RUNS: tl.constexpr, HAS_ZERO: tl.constexpr):
+    """(scale codes, zero codes) of a half from the step's prefetched tiles ``pre``
+    (``_w4_step_codes``): group g0's [R] tile where the half lies in one group (NH = RUNS = 1),
+    else [R, RUNS * NH] of groups g0 + r * STEP + h (r < RUNS, h < NH) in that order, as
+    ``_w4_group`` loads them (2 or 4 groups; joins add a trailing axis: (a, c) joined with
+    (b, d) is a, b, c, d). Zero codes 0 without HAS_ZERO (unused)."""
+    NG: tl.constexpr = len(pre) // (2 if HAS_ZERO else 1)  # groups of the step
     N: tl.constexpr = RUNS * NH
-    tl.static_assert(N == 2 or N == 4, "a half spans 2 or 4 groups")
-    if N == 2:
-        return tl.join(pre[OFF + g0], pre[OFF + g0 + (STEP if NH == 1 else 1)])
-    else:
-        i0: tl.constexpr = OFF + g0
-        i1: tl.constexpr = i0 + (STEP if NH == 1 else 1)
-        i2: tl.constexpr = i0 + (2 * STEP if NH == 1 else (STEP if NH == 2 else 2))
-        i3: tl.constexpr = i0 + (3 * STEP if NH == 1 else (STEP + 1 if NH == 2 else 3))
-        return tl.reshape(tl.join(tl.join(pre[i0], pre[i2]), tl.join(pre[i1], pre[i3])), [pre[i0].shape[0], 4])
+    tl.static_assert(N == 1 or N == 2 or N == 4, "a half spans 1, 2 or 4 groups")
+    i1: tl.constexpr = g0 + (STEP if NH == 1 else 1)
+    i2: tl.constexpr = g0 + (2 * STEP if NH == 1 else (STEP if NH == 2 else 2))
+    i3: tl.constexpr = g0 + (3 * STEP if NH == 1 else (STEP + 1 if NH == 2 else 3))
+    out = ()
+    for off in tl.static_range(0, 2 * NG if HAS_ZERO else NG, NG):
+        if N == 1:
+            t = pre[off + g0]
+        elif N == 2:
+            t = tl.join(pre[off + g0], pre[off + i1])
+        else:
+            t = tl.join(tl.join(pre[off + g0], pre[off + i2]), tl.join(pre[off + i1], pre[off + i3]))
+            t = tl.reshape(t, [t.shape[0], 4])
+        out = out + (t,)
+    if not HAS_ZERO:
+        out = out + (0,)
+    return out[0], out[1]
 
 
 @triton.jit
