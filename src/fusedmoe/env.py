@@ -7,8 +7,9 @@ determinism, fused activation), when the oracle chooses (backend, skips), when a
 config is picked. Each read is a dictionary lookup and a parse of a short string: none is
 on a per-launch path that runs more than once per call. An eager call at a shape its kernel
 (or router) has met twice replays the launches recorded then (``modular.replay``): the variables
-read at launch (FUSEDMOE_LAUNCH_CONFIG, FUSEDMOE_W4_PTX, FUSEDMOE_FUSED_ROUTING) count as they were
-when that shape was recorded; with FUSEDMOE_LAUNCH_PLANS=0 every call reads them again.
+read at launch (FUSEDMOE_LAUNCH_CONFIG, FUSEDMOE_W4_PTX, FUSEDMOE_FUSED_ROUTING, FUSEDMOE_PDL)
+count as they were when that shape was recorded; with FUSEDMOE_LAUNCH_PLANS=0 every call reads
+them again.
 
 | variable | meaning | values |
 | --- | --- | --- |
@@ -25,6 +26,7 @@ when that shape was recorded; with FUSEDMOE_LAUNCH_PLANS=0 every call reads them
 | FUSEDMOE_FAST_LAUNCH | known kernels launched by their binary (``kernels.launch``) | a boolean (default on) |
 | FUSEDMOE_LAUNCH_PLANS | eager calls at a known shape replay their launches (``modular.replay``) | a boolean (on) |
 | FUSEDMOE_W4_PTX | 4-bit GEMMs unpack weights in PTX (``kernels._w4_unpack``); off: fp32 | a boolean (default on) |
+| FUSEDMOE_PDL | programmatic dependent launch of the kernels on sm_90+ (``kernels.launch``) | a boolean (default on) |
 
 Booleans accept 1/true/yes/on and 0/false/no/off (any case); an empty value is the default.
 """
@@ -48,6 +50,7 @@ QUANT_ON_LOAD = "FUSEDMOE_QUANT_ON_LOAD"
 LAUNCH_CONFIG = "FUSEDMOE_LAUNCH_CONFIG"
 FAST_LAUNCH = "FUSEDMOE_FAST_LAUNCH"
 W4_PTX = "FUSEDMOE_W4_PTX"
+PDL = "FUSEDMOE_PDL"
 LAUNCH_PLANS = "FUSEDMOE_LAUNCH_PLANS"
 CONFIG_DIR = "FUSEDMOE_CONFIG_DIR"
 
@@ -180,6 +183,12 @@ def w4_ptx() -> bool:
     return flag(W4_PTX, default=True)
 
 
+def pdl() -> bool:
+    """``FUSEDMOE_PDL`` (default on; read per launch of a kernel that takes it, like
+    ``FUSEDMOE_FAST_LAUNCH``)."""
+    return flag(PDL, default=True)
+
+
 def chunk_size() -> int | None:
     """``FUSEDMOE_CHUNK_SIZE``, or None when unset."""
     return positive_int(CHUNK_SIZE)
@@ -188,7 +197,7 @@ def chunk_size() -> int | None:
 def check_all() -> None:
     """Parse every variable that changes a kernel, so a bad value is an error when a kernel is
     built even where nothing reads it (``FUSEDMOE_FUSE_ACT=nope`` on a CPU backend)."""
-    for name in (DETERMINISTIC, CHECK_VALUES, FUSE_ACT, FUSED_ROUTING, W4_PTX):
+    for name in (DETERMINISTIC, CHECK_VALUES, FUSE_ACT, FUSED_ROUTING, W4_PTX, PDL):
         flag(name)
     chunk_size()
     quant_on_load()

@@ -118,6 +118,9 @@ class _Compiler:
             "paired_16bit": len(re.findall(r"\bH(?:FMA2|MUL2|ADD2)\b", sass)),
             "hmma": len(re.findall(r"HMMA", sass)),
             "wgmma_serialised": self.serialised(compiled.asm["ptx"]),
+            # launched with programmatic dependent launch, and waiting for the kernel before it
+            "pdl": bool(getattr(compiled.metadata, "launch_pdl", False))
+            and "griddepcontrol.wait" in compiled.asm["ptx"],
         }
 
     def serialised(self, ptx: str) -> bool:
@@ -198,8 +201,11 @@ _COMPILER: dict = {}
 def _compiled(launches) -> dict:
     """Run ``launches()`` (which builds its operands and launches) with every launch compiled for
     sm_90 instead of run: what the last compiled kernel shows, or the error, and the seconds taken."""
+    import fusedmoe.kernels.launch as launch_mod
     from fusedmoe.kernels.launch import intercept_launches
 
+    # as on an sm_90 GPU: kernels that take PDL get it (FUSEDMOE_PDL as set), found at the first launch
+    launch_mod._PDL_HW[:] = [True]
     comp = _COMPILER.get("c") or _COMPILER.setdefault("c", _Compiler())
     t0 = time.time()
     try:
@@ -320,7 +326,7 @@ def compile_w4_case(case: W4Case) -> dict:
 def w4_problems(case: W4Case, res: dict) -> list[str]:
     if not res["ok"]:
         return [res.get("error", "not compiled")]
-    bad = []
+    bad = _pdl_problems(res)
     if res["wgmma"] + res["hmma"] == 0 and not case.fma:
         bad.append("no tensor-core MMA")
     if res["wgmma_serialised"]:
@@ -336,7 +342,7 @@ def problems(case: Case, res: dict) -> list[str]:
     """What is wrong with a compiled case (empty: nothing)."""
     if not res["ok"]:
         return [res.get("error", "not compiled")]
-    bad = []
+    bad = _pdl_problems(res)
     if res["wgmma"] == 0:
         bad.append("no wgmma")
     if res["tma_loads"] == 0:
@@ -412,7 +418,13 @@ def compile_decode_case(case: DecodeCase) -> dict:
 def decode_problems(case: DecodeCase, res: dict) -> list[str]:
     if not res["ok"]:
         return [res.get("error", "not compiled")]
-    return [f"{res['spill_bytes']} bytes spilled"] if res["spill_bytes"] != 0 else []
+    return _pdl_problems(res) + ([f"{res['spill_bytes']} bytes spilled"] if res["spill_bytes"] != 0 else [])
+
+
+def _pdl_problems(res: dict) -> list[str]:
+    """Every kernel here takes PDL (``kernels.launch``); FUSEDMOE_PDL=0 compiles them without it."""
+    want = os.environ.get("FUSEDMOE_PDL", "1").lower() not in ("0", "false", "no", "off")
+    return [f"launched with PDL: {res['pdl']}, expected {want}"] if res["pdl"] != want else []
 
 
 def main(argv: list[str]) -> int:

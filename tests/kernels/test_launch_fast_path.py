@@ -114,3 +114,50 @@ def test_switched_off_by_the_environment(fast, monkeypatch):
     for _ in range(2):
         L.launch(k, (1,), x, 7, BLOCK=16, MODE="a")
     assert [e[0] for e in k.log] == ["slow", "slow"]
+
+
+class _PdlKernel(_Kernel):
+    params = [*_Kernel.params, _Param("PDL", True)]
+
+
+PDL_CASES = [  # (label, GPU takes PDL, FUSEDMOE_PDL, the caller's PDL, expected PDL)
+    ("no sm_90 GPU, or the interpreter", False, None, None, False),
+    ("sm_90, default", True, None, None, True),
+    ("sm_90, FUSEDMOE_PDL=0", True, "0", None, False),
+    ("sm_90, FUSEDMOE_PDL=on", True, "on", None, True),
+    ("sm_90, the caller's PDL=False kept", True, None, False, False),
+]
+
+
+@pytest.mark.parametrize("label, hw, var, given, want", PDL_CASES, ids=[c[0] for c in PDL_CASES])
+def test_kernels_taking_pdl_get_it_with_the_launch_attribute(fast, monkeypatch, label, hw, var, given, want):
+    monkeypatch.setattr(L, "_PDL_HW", [hw])
+    if var is None:
+        monkeypatch.delenv("FUSEDMOE_PDL", raising=False)
+    else:
+        monkeypatch.setenv("FUSEDMOE_PDL", var)
+    k, x = _PdlKernel(), torch.zeros(64)
+    extra = {} if given is None else {"PDL": given}
+    for _ in range(2):
+        L.launch(k, (1,), x, 7, BLOCK=16, MODE="a", **extra)
+    slow, fast_ = k.log
+    assert slow[3]["PDL"] is want and slow[3].get("launch_pdl", False) is want
+    assert fast_[0] == "fast" and fast_[1][-3:] == (16, "a", want)  # the constexpr is part of the key
+
+
+def test_pdl_is_part_of_the_key_and_kernels_without_it_never_get_it(fast, monkeypatch):
+    monkeypatch.setattr(L, "_PDL_HW", [True])
+    k, plain, x = _PdlKernel(), _Kernel(), torch.zeros(64)
+    for var in ("1", "0", "1"):
+        monkeypatch.setenv("FUSEDMOE_PDL", var)
+        L.launch(k, (1,), x, 7, BLOCK=16, MODE="a")
+        L.launch(plain, (1,), x, 7, BLOCK=16, MODE="a")
+    assert [e[0] for e in k.log] == ["slow", "slow", "fast"]
+    assert [e[0] for e in plain.log] == ["slow", "fast", "fast"] and "launch_pdl" not in plain.log[0][3]
+
+
+def test_a_bad_pdl_variable_is_an_error_naming_it(fast, monkeypatch):
+    monkeypatch.setattr(L, "_PDL_HW", [True])
+    monkeypatch.setenv("FUSEDMOE_PDL", "sometimes")
+    with pytest.raises(Exception, match="FUSEDMOE_PDL"):
+        L.launch(_PdlKernel(), (1,), torch.zeros(64), 7, BLOCK=16, MODE="a")

@@ -35,7 +35,7 @@ import triton.language as tl
 
 # The element-wise activation and fp8/int8 encoding live in _common (GEMM1's fused epilogue
 # applies the same math); the underscored names are kept for this file's callers.
-from ._common import FP8_MAX, INT8_MAX, apply_act
+from ._common import FP8_MAX, INT8_MAX, apply_act, pdl_wait
 from ._common import e4m3_bits as _e4m3_bits
 from ._common import quant_linear as _quant_linear
 
@@ -157,9 +157,11 @@ def _act_quant_kernel(
     EXACT_CAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels.launch sets it)
 ):
     # 109 lines: one Triton kernel; each format is a constexpr branch the compiler specialises away, the per-format
     # math is in @triton.jit helpers.
+    pdl_wait(PDL)
     if PASS == 0:
         _tensor_dyn_one(
             x_ptr, q_ptr, s_ptr, rmask_ptr, M, I, stride_xm, stride_qm, alpha, limit,

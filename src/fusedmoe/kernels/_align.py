@@ -24,6 +24,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._common import pdl_wait
+
 
 @triton.jit
 def _local_expert(topk_ids_ptr, expert_map_ptr, offs, num_pairs, E_G, E_L, HAS_MAP: tl.constexpr, BINS: tl.constexpr):
@@ -87,7 +89,9 @@ def _align_count_kernel(
     CHUNK: tl.constexpr,
     BINS: tl.constexpr,
     FILL: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels.launch sets it)
 ):
+    pdl_wait(PDL)
     c = tl.program_id(0)
     offs = c * CHUNK + tl.arange(0, CHUNK)
     e = _local_expert(topk_ids_ptr, expert_map_ptr, offs, num_pairs, E_G, E_L, HAS_MAP, BINS)
@@ -113,10 +117,12 @@ def _align_offsets_kernel(
     BINS: tl.constexpr,
     BLOCK_B: tl.constexpr,
     CB: tl.constexpr,  # chunks per step
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels.launch sets it)
 ):
     # CB chunks' counts per step as one [CB, BINS] tile, so a step's loads are in flight together
     # (one chunk a step made each loop a chain of T*K / 1024 dependent loads; on an H200 that
     # cost less than the block labels did, PERF_LOG 2026-11-28 fifth session).
+    pdl_wait(PDL)
     bins = tl.arange(0, BINS)
     cb = tl.arange(0, CB)
     is_expert = bins < E_L
@@ -154,7 +160,9 @@ def _align_scatter_kernel(
     HAS_MAP: tl.constexpr,
     CHUNK: tl.constexpr,
     BINS: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels.launch sets it)
 ):
+    pdl_wait(PDL)
     c = tl.program_id(0)
     i = tl.arange(0, CHUNK)
     e = _local_expert(topk_ids_ptr, expert_map_ptr, c * CHUNK + i, num_pairs, E_G, E_L, HAS_MAP, BINS)
@@ -178,8 +186,10 @@ def _align_one_kernel(
     BINS: tl.constexpr,
     FILL: tl.constexpr,
     BLOCK_B: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels.launch sets it)
 ):  # fmt: skip
     """The three kernels above in one program (grid (1,)), for num_pairs <= CHUNK."""
+    pdl_wait(PDL)
     i = tl.arange(0, CHUNK)
     e = _local_expert(topk_ids_ptr, expert_map_ptr, i, num_pairs, E_G, E_L, HAS_MAP, BINS)
     bins = tl.arange(0, BINS)

@@ -67,7 +67,16 @@ import triton
 import triton.language as tl
 
 from ._act_quant import _abs_bits, _scale_of, max_abs_bits
-from ._common import apply_act, e2m1_to_f32, e8m0_to_f32, linear_codes, quant_linear, quotient_rcp, unpack_nibbles
+from ._common import (
+    apply_act,
+    e2m1_to_f32,
+    e8m0_to_f32,
+    linear_codes,
+    pdl_wait,
+    quant_linear,
+    quotient_rcp,
+    unpack_nibbles,
+)
 
 
 @triton.jit
@@ -549,10 +558,12 @@ def _grouped_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels.launch sets it)
 ):
     # Walk GROUP_M row tiles per column tile so consecutive programs share W[e] in L2.
     # 173 lines: one Triton kernel whose signature is the pointers and strides of every operand; address set-up, K
     # loop and epilogue are @triton.jit helpers, what is left is their wiring.
+    pdl_wait(PDL)
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * num_n

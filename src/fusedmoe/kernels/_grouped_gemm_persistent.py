@@ -71,7 +71,7 @@ import triton
 import triton.language as tl
 
 from ._act_quant import _abs_bits, _scale_of
-from ._common import quant_linear
+from ._common import pdl_wait, quant_linear
 from ._grouped_gemm import _act_epilogue, _gate_up_cols, _mac, _store_c
 
 
@@ -291,11 +291,13 @@ def _persistent_gemm_kernel(
     HALVES: tl.constexpr,  # 2: the tile's W rows as two halves of one weight block each (module docstring)
     FLATTEN: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels.launch sets it)
 ):  # fmt: skip
     # One body for every layout and format: the branches are constexpr, so each compiled
     # variant holds only its own path (the old kernel is organised the same way).
     # 119 lines: one Triton kernel: descriptors, the tile loop and the epilogue share the persistent program's state;
     # the per-tile pieces are @triton.jit helpers.
+    pdl_wait(PDL)
     WIDE: tl.constexpr = GATED and INTERLEAVED  # one [BM, 2BN] accumulator, split after the K loop
     BNL: tl.constexpr = 2 * BLOCK_N if WIDE else BLOCK_N // HALVES  # W rows per descriptor load
     A_PER_K: tl.constexpr = A_GROUP > 0

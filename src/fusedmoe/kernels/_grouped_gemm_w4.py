@@ -59,7 +59,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import apply_act, quant_linear
+from ._common import apply_act, pdl_wait, quant_linear
 from ._grouped_gemm import _fma_rows
 from ._w4_operands import (
     _a_cols,
@@ -514,9 +514,11 @@ def _w4_gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     SCALE_LOADS: tl.constexpr,  # tensor-core tiles: where scale codes are loaded (LaunchConfig.scale_loads)
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels.launch sets it)
 ):  # fmt: skip
     # 119 lines: one Triton kernel; the unpack, the FMA/dot paths and the split-K epilogue are constexpr branches and
     # @triton.jit helpers.
+    pdl_wait(PDL)
     pid_m, pid_n = _w4_tile_ids(tl.program_id(0), num_m_blocks, N, BLOCK_N, GROUP_M)
     pid_k = tl.program_id(1)
     e, idle, row_ok, a_rows, c_rows = _w4_rows(
@@ -671,8 +673,10 @@ def _w4_reduce_kernel(
     EXACT_CAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels.launch sets it)
 ):  # fmt: skip
     """C = finish(sum over s of P[s]) for the rows the GEMM wrote (same row blocks), s in order."""
+    pdl_wait(PDL)
     e, idle, row_ok, _, c_rows = _w4_rows(
         tl.program_id(0), sorted_ids_ptr, block_expert_ptr, counts_ptr, num_pairs, 1, m_max, blocks_per_expert,
         num_experts, BATCHED, PAIR_BLOCKS, BLOCK_M,
@@ -703,12 +707,14 @@ def _w4_permute_a_kernel(
     KD, KP, num_pairs, a_div, m_max, blocks_per_expert, num_experts,
     stride_ae, stride_am, stride_ak, stride_pe, stride_pk, stride_oe, stride_om,
     BATCHED: tl.constexpr, PAIR_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels.launch sets it)
 ):  # fmt: skip
     """Act-order A for the tensor-core path: out[row, j] = A[row's A row, perm[e, j]], the columns
     of the row's expert in its sorted (group-contiguous) order, zeros past K. Standard layout:
     a row per aligned slot; batched: [E, M_max, KP]. The GEMM then reads A with whole-row vector
     loads: gathering columns inside its tile loads cost 6.5x (Qwen3 int4 GEMM1 at T = 4096 on an
     H100: 4.10 ms against 0.63 ms without act-order; scalar loads that the pipeliner skips)."""
+    pdl_wait(PDL)
     e, idle, row_ok, a_rows, _ = _w4_rows(
         tl.program_id(0), sorted_ids_ptr, block_expert_ptr, counts_ptr, num_pairs, a_div, m_max, blocks_per_expert,
         num_experts, BATCHED, PAIR_BLOCKS, BLOCK_M,

@@ -26,6 +26,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._common import pdl_wait
+
 # larger than any column index (E <= 1024) or group index: "none found" in min-reductions
 _NONE: tl.constexpr = tl.constexpr(1 << 30)
 _F32_TINY: tl.constexpr = tl.constexpr(1.1754943508222875e-38)  # torch.finfo(float32).tiny = 2^-126
@@ -66,9 +68,11 @@ def _route_kernel(
     GP: tl.constexpr,  # next power of 2 >= G
     SP: tl.constexpr,  # next power of 2 >= S
     KP: tl.constexpr,  # next power of 2 >= K
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels.launch sets it)
 ):
     # 105 lines: one Triton kernel: each scoring and grouped top-k variant is a constexpr branch over the same row in
     # registers.
+    pdl_wait(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < T
     g = tl.arange(0, GP)

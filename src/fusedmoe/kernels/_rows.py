@@ -5,7 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import row_col_tile
+from ._common import pdl_wait, row_col_tile
 
 
 @triton.jit
@@ -23,8 +23,10 @@ def _scatter_rows_kernel(
     J: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels.launch sets it)
 ):
     """dst[idx[n, j]] = src[n] for every j with 0 <= idx[n, j] < LIMIT (one load, up to J stores)."""
+    pdl_wait(PDL)
     r64, cols, row_ok, col_ok = row_col_tile(N, D, BLOCK_N, BLOCK_D)
     v = tl.load(src_ptr + r64[:, None] * stride_sn + cols[None, :], mask=row_ok[:, None] & col_ok[None, :])
     for j in tl.static_range(J):
@@ -52,9 +54,11 @@ def _gather_sum_kernel(
     HAS_W: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels.launch sets it)
 ):
     """out[n] = sum over j of (w[n, j] *) src[idx[n, j]], j in order, in fp32; indices outside
     [0, LIMIT) add nothing (their rows are never read, so stale or NaN rows cannot leak in)."""
+    pdl_wait(PDL)
     r64, cols, row_ok, col_ok = row_col_tile(N, H, BLOCK_N, BLOCK_H)
     acc = tl.zeros([BLOCK_N, BLOCK_H], dtype=tl.float32)
     for j in tl.static_range(J):
@@ -85,10 +89,12 @@ def _rank_rows_kernel(
     WIRE: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels.launch sets it)
 ):
     """One program: dest[t, r] = r * ROWS + (tokens up to t that go to rank r) - 1, or -1 if t does
     not go to r; counts[r] = tokens that go to r. Tokens in blocks of BLOCK_T, a running count per
     rank carried between blocks. ids: expert ids (WIRE: 1 + expert id, 0 = not sent)."""
+    pdl_wait(PDL)
     ranks = tl.arange(0, BLOCK_W)
     r_ok = ranks < W
     carry = tl.zeros([BLOCK_W], dtype=tl.int32)

@@ -18,6 +18,10 @@ address is 16-byte aligned; an int equal to 1, divisible by 16, and its width; f
 None by type). The key is as fine as Triton's or finer, so a hit always reuses the binary Triton
 itself would have chosen.
 
+A kernel with a ``PDL`` constexpr (it starts with ``_common.pdl_wait``) is launched with
+programmatic dependent launch where ``pdl_enabled()``: ``PDL=True`` and Triton's ``launch_pdl``
+option, both part of the key, so a binary is built for each.
+
 Falls back to ``kernel[grid]`` under the interpreter, while a launch hook is set (profilers), and
 for an argument type it does not know. ``FUSEDMOE_FAST_LAUNCH=0`` turns the fast path off.
 Interceptors (``intercept_launches``) see every launch, fast or not (the tuner records what it
@@ -37,6 +41,7 @@ import triton
 from triton import knobs
 
 from .. import env
+from ..platform import current_platform
 from ._common import interpreting
 from .launch_config import scoped_override
 
@@ -150,8 +155,8 @@ def ensure_allocator() -> None:
     triton.set_allocator(_alloc)
 
 
-def _record(rec, kernel, grid: tuple, args: tuple, num_warps: int, num_stages: int, constexprs: dict) -> None:
-    kw = dict(constexprs, num_warps=num_warps, num_stages=num_stages)
+def _record(rec, kernel, grid: tuple, args: tuple, opts: dict, constexprs: dict) -> None:
+    kw = dict(constexprs, **opts)
     with rec.launching():
         compiled = kernel[grid](*args, **kw)
     if interpreting():
@@ -167,17 +172,42 @@ def _record(rec, kernel, grid: tuple, args: tuple, num_warps: int, num_stages: i
     rec.launched(args, DirectLaunch(compiled.run, g, compiled.function, compiled.packed_metadata, cvals, scratch))
 
 
+_PDL_TAKERS: dict[object, bool] = {}
+_PDL_HW: list[bool] = []  # [whether the GPU takes PDL], found at the first launch that asks
+
+
+def pdl_enabled() -> bool:
+    """Whether kernels that take ``PDL`` get it: a CUDA GPU of compute capability 9.0+ (the PTX
+    ``griddepcontrol`` instructions), not the interpreter, and ``FUSEDMOE_PDL`` on."""
+    if not _PDL_HW:
+        _PDL_HW.append(not interpreting() and current_platform().at_least(9, 0))
+    return _PDL_HW[0] and env.pdl()
+
+
+def _takes_pdl(kernel) -> bool:
+    """Whether the kernel has a ``PDL`` parameter (jit and interpreted functions both name theirs
+    in ``arg_names``)."""
+    got = _PDL_TAKERS.get(kernel)
+    if got is None:
+        names = getattr(kernel, "arg_names", None) or [p.name for p in getattr(kernel, "params", ())]
+        got = _PDL_TAKERS[kernel] = "PDL" in names
+    return got
+
+
 def launch(kernel, grid: tuple, *args, num_warps: int = 4, num_stages: int = 3, **constexprs) -> None:
     """``kernel[grid](*args, num_warps=..., num_stages=..., **constexprs)`` (module docstring)."""
+    opts = {"num_warps": num_warps, "num_stages": num_stages}
+    if _takes_pdl(kernel) and constexprs.setdefault("PDL", pdl_enabled()):
+        opts["launch_pdl"] = True
     if _INTERCEPTORS:
-        _INTERCEPTORS[-1](kernel, grid, args, dict(constexprs, num_warps=num_warps, num_stages=num_stages))
+        _INTERCEPTORS[-1](kernel, grid, args, dict(constexprs, **opts))
         return
     rec = getattr(_TLS, "recorder", None)
     if rec is not None:
-        _record(rec, kernel, grid, args, num_warps, num_stages, constexprs)
+        _record(rec, kernel, grid, args, opts, constexprs)
         return
     if interpreting() or not env.fast_launch():
-        kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **constexprs)
+        kernel[grid](*args, **opts, **constexprs)
         return
     names, n_rt = _order(kernel)
     try:
@@ -187,11 +217,11 @@ def launch(kernel, grid: tuple, *args, num_warps: int = 4, num_stages: int = 3, 
         device = torch.cuda.current_device()
         key = (kernel, device, num_warps, num_stages, cvals, tuple(map(_spec, args)))
     except (_Unknown, KeyError):
-        kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **constexprs)
+        kernel[grid](*args, **opts, **constexprs)
         return
     hit = _CACHE.get(key)
     if hit is None or _hooked():
-        compiled = kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **constexprs)
+        compiled = kernel[grid](*args, **opts, **constexprs)
         if compiled is not None and hasattr(compiled, "packed_metadata"):
             _CACHE[key] = (compiled.run, compiled.function, compiled.packed_metadata)
         return

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from ..errors import expect
 from ..metadata import local_expert_ids
-from ._common import cdiv, interpreting, row_col_tile
+from ._common import cdiv, interpreting, pdl_wait, row_col_tile
 from .launch import launch
 
 
@@ -59,7 +59,9 @@ def _moe_sum_kernel(
     HAS_W: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels.launch sets it)
 ):
+    pdl_wait(PDL)
     r64, cols, row_ok, col_ok = row_col_tile(T, H, BLOCK_T, BLOCK_H)
     mask = row_ok[:, None] & col_ok[None, :]
     acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
