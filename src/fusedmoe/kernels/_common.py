@@ -30,17 +30,19 @@ def interpreting() -> bool:
 @triton.jit
 def pdl_wait(PDL: tl.constexpr):
     """A kernel's first statement where it may run under programmatic dependent launch (PDL:
-    ``kernels.launch`` sets ``PDL`` and the launch attribute together, on sm_90+). The kernel is
-    then launched as the one before it in the stream exits, without waiting for that one's
-    completion to be processed; here it waits until that one has completed and its writes are
-    visible: nothing is read from global memory before. Why: between two dependent kernels of a
-    CUDA graph the GPU idles ~1.5-2 us (H200, PERF_LOG 2026-11-28), 3-5 times in a decode layer;
-    this takes 0.3-1.7 us off each layer at T = 1 (PERF_LOG, thirteenth session).
+    ``kernels.launch`` sets ``PDL`` and the launch attribute together, on sm_90+). The kernel may
+    then be launched before the one ahead of it in the stream has completed (as that one's
+    programs exit: none here lets it in sooner, see below); here it waits until that one has
+    completed and its writes are visible: nothing is read from global memory before. Why:
+    between two dependent kernels of a CUDA graph the GPU idles ~1.5-2 us (H200, PERF_LOG
+    2026-11-28), 3-5 times in a decode layer; this takes 0.3-1.7 us off each layer at T = 1
+    (PERF_LOG, thirteenth session).
 
     No kernel calls ``griddepcontrol.launch_dependents`` (which lets the next kernel launch as
-    soon as all of this one's programs have started): measured, the next kernel's programs then
-    wait on the SMs they found free, and a GEMM placed so runs unevenly over the SMs (the Mixtral
-    layer 0.87x at T = 1 with it in every kernel, 0.92x at T = 16 with it in all but the GEMMs)."""
+    soon as all of this one's programs have started): measured slower (the Mixtral layer 0.87x at
+    T = 1 with it in every kernel, 0.92x at T = 16 with it in all but the GEMMs); likely because
+    the next kernel's programs are then placed on whichever SMs are free, so a GEMM that streams
+    weights through every SM starts unevenly spread."""
     if PDL:
         gdc_wait()
 
