@@ -51,6 +51,7 @@ def fused_moe(
     backend: str = "auto",
     dispatcher: str = "local",
     router=None,
+    correction_bias: torch.Tensor | None = None,
     expert_map: torch.Tensor | None = None,
     chunk_size: int | None = None,
     platform: Platform | None = None,
@@ -62,6 +63,8 @@ def fused_moe(
     renormalization, ``RouterConfig``'s own default), or a ``TopK`` / ``(topk_ids [T, K] int,
     topk_weights [T, K] float)`` pair. A pair whose id is outside [0, E) (-1 included)
     contributes nothing (``metadata.TopK``).
+    correction_bias: [E], with logits only: added to the scores to choose the experts, not to
+    weigh them (DeepSeek-V3's ``e_score_correction_bias``; ``RouterConfig.route``).
     backend: an Experts backend name or "auto" (the oracle's choice).
 
     Compiles with ``torch.compile(fullgraph=True)``: the configuration arguments are
@@ -71,7 +74,7 @@ def fused_moe(
     if not (isinstance(config, MoEConfig) and isinstance(scheme, QuantScheme)):  # before they key a kernel
         expect(isinstance(config, MoEConfig), "config", "a MoEConfig", type(config))
         expect(False, "scheme", "a QuantScheme (or None: unquantized)", type(scheme))
-    topk = _as_topk(routing, x, config, router)
+    topk = _as_topk(routing, x, config, router, correction_bias)
     if torch.compiler.is_compiling():
         # the kernel is chosen and built while tracing; the graph records its name
         name = _kernel_name(config, scheme, backend, dispatcher, chunk_size, platform, expert_map is not None)
@@ -135,7 +138,10 @@ def _kernel_name(*key) -> str:
     return cached_kernel(*key).name
 
 
-def _as_topk(routing, x, config: MoEConfig, router) -> TopK:
+def _as_topk(routing, x, config: MoEConfig, router, correction_bias) -> TopK:
+    if correction_bias is not None and not isinstance(routing, torch.Tensor):
+        expect(False, "correction_bias", "None where routing is already chosen (a TopK or (ids, weights))",
+               "a tensor")  # fmt: skip
     if isinstance(routing, TopK):
         return routing
     if isinstance(routing, (tuple, list)):
@@ -149,13 +155,13 @@ def _as_topk(routing, x, config: MoEConfig, router) -> TopK:
         want = f"router logits [T, E] = [{t}, {e}] (T from x, E = num_experts)"
         expect(False, "routing", want, tuple(routing.shape))
     if router is None:
-        return _default_router(e, config.top_k).route(routing)
+        return _default_router(e, config.top_k).route(routing, correction_bias)
     if not isinstance(router, RouterConfig):
         expect(False, "router", "a RouterConfig (or None: softmax top-k, renormalized)", type(router))
     if (router.num_experts, router.top_k) != (e, config.top_k):
         want = f"num_experts={e}, top_k={config.top_k} as in the MoEConfig"
         expect(False, "router", want, f"RouterConfig(num_experts={router.num_experts}, top_k={router.top_k})")
-    return router.route(routing)
+    return router.route(routing, correction_bias)
 
 
 @functools.lru_cache(maxsize=64)

@@ -15,6 +15,7 @@ from fusedmoe.metadata import TopK
 from fusedmoe.modular.kernel import MoEKernel
 from fusedmoe.quant import QuantScheme
 from fusedmoe.quant.scheme import shape_supported
+from fusedmoe.routing import RouterConfig
 from fusedmoe.testing import EDGE_CASES, ODD_CASES, make_problem, poison_, rel_error, tolerance
 
 SCHEMES = [
@@ -331,3 +332,38 @@ def test_cpu_backend_one_token_path_matches_reference(case, scheme, monkeypatch)
         assert torch.equal(out, torch.zeros_like(out))
     else:
         assert rel_error(out, ref) <= tolerance(scheme, config.dtype)
+
+
+GROUPED_SIGMOID = RouterConfig(  # DeepSeek-V3's routing at a small size: 4 groups of 4, 2 groups kept
+    16, 4, scoring="sigmoid", renormalize=True, num_expert_group=4, topk_group=2, routed_scaling_factor=2.5
+)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_fused_moe_routes_logits_with_the_correction_bias(backend):
+    """The bias chooses the experts (not their weights): the call equals one given the router's
+    own top-k of the same logits and bias, and differs from one without the bias."""
+    config = MoEConfig(16, 4, 64, 32)
+    prob = make_problem(config, QuantScheme.unquantized(), 9, seed=4)
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(9, 16, generator=g)
+    bias = torch.zeros(16)
+    bias[[1, 6, 11]] = 5.0  # in three of the four groups: every token takes two of them
+    out = fused_moe(prob.x, logits, prob.weights, config, backend=backend, router=GROUPED_SIGMOID,
+                    correction_bias=bias)  # fmt: skip
+    topk = GROUPED_SIGMOID.route(logits, bias)
+    assert (torch.isin(topk.ids, torch.tensor([1, 6, 11])).sum(dim=1) == 2).all()
+    given = fused_moe(prob.x, (topk.ids, topk.weights), prob.weights, config, backend=backend)
+    assert torch.equal(out, given)
+    plain = fused_moe(prob.x, logits, prob.weights, config, backend=backend, router=GROUPED_SIGMOID)
+    assert rel_error(plain, out) > 0.05
+
+
+def test_fused_moe_refuses_a_correction_bias_it_cannot_use():
+    config = MoEConfig(16, 4, 64, 32)
+    prob = make_problem(config, QuantScheme.unquantized(), 3, seed=6)
+    logits = torch.randn(3, 16)
+    with pytest.raises(FusedMoEError, match="correction_bias: expected None where routing is already chosen"):
+        fused_moe(prob.x, (prob.topk_ids, prob.topk_weights), prob.weights, config, correction_bias=torch.zeros(16))
+    with pytest.raises(FusedMoEError, match="correction_bias"):
+        fused_moe(prob.x, logits, prob.weights, config, router=GROUPED_SIGMOID, correction_bias=torch.zeros(8))

@@ -335,8 +335,9 @@ def _layer(impl, router, x, logits, bias):
 def _fused_moe_layer(config, scheme, weights, router):
     """``(x, logits, bias) -> out`` through ``api.fused_moe`` (backend auto) with the weights as a
     user holds them (reference layout: fused_moe converts them once for its backend and keeps the
-    copy), or the reason it cannot run. fused_moe takes no correction bias, so DeepSeek-V3's cells
-    route without it there (the same grouped sigmoid top-k)."""
+    copy), or the reason it cannot run. DeepSeek-V3's cells pass the correction bias, so both
+    paths route alike (before the thirteenth session fused_moe took none: its DeepSeek-V3 cells at
+    T >= 16 chose other experts and read up to 1.37x the weight bytes of the kernel's)."""
     from ..api import cached_kernel
 
     try:
@@ -349,7 +350,7 @@ def _fused_moe_layer(config, scheme, weights, router):
 def _call_fused_moe(weights, config, scheme, router, x, logits, bias):
     from ..api import fused_moe
 
-    return fused_moe(x, logits, weights, config, scheme, router=router)
+    return fused_moe(x, logits, weights, config, scheme, router=router, correction_bias=bias)
 
 
 @dataclass
