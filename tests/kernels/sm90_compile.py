@@ -423,7 +423,9 @@ def decode_problems(case: DecodeCase, res: dict) -> list[str]:
 
 def _pdl_problems(res: dict) -> list[str]:
     """Every kernel here takes PDL (``kernels.launch``); FUSEDMOE_PDL=0 compiles them without it."""
-    want = os.environ.get("FUSEDMOE_PDL", "1").lower() not in ("0", "false", "no", "off")
+    from fusedmoe import env
+
+    want = env.pdl()
     return [f"launched with PDL: {res['pdl']}, expected {want}"] if res["pdl"] != want else []
 
 
