@@ -139,9 +139,9 @@ def _kernel_name(*key) -> str:
 
 
 def _as_topk(routing, x, config: MoEConfig, router, correction_bias) -> TopK:
-    if correction_bias is not None and not isinstance(routing, torch.Tensor):
-        expect(False, "correction_bias", "None where routing is already chosen (a TopK or (ids, weights))",
-               "a tensor")  # fmt: skip
+    if isinstance(routing, (TopK, tuple, list)):
+        expect(correction_bias is None, "correction_bias", "None where routing is already chosen (a TopK or "
+               "(ids, weights))", "a tensor")  # fmt: skip
     if isinstance(routing, TopK):
         return routing
     if isinstance(routing, (tuple, list)):

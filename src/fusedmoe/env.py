@@ -5,7 +5,8 @@ takes (``FUSEDMOE_DETERMINISTIC=yes`` once meant "off" without a word). Readers 
 variable at the moment their setting matters: when a kernel is built (chunk size,
 determinism, fused activation), when the oracle chooses (backend, skips), when a launch
 config is picked. Each read is a dictionary lookup and a parse of a short string: none is
-on a per-launch path that runs more than once per call. An eager call at a shape its kernel
+on a per-launch path that runs more than once per call, but FUSEDMOE_FAST_LAUNCH and
+FUSEDMOE_PDL, read at each launch that a launch plan does not replay. An eager call at a shape its kernel
 (or router) has met twice replays the launches recorded then (``modular.replay``): the variables
 read at launch (FUSEDMOE_LAUNCH_CONFIG, FUSEDMOE_W4_PTX, FUSEDMOE_FUSED_ROUTING, FUSEDMOE_PDL)
 count as they were when that shape was recorded; with FUSEDMOE_LAUNCH_PLANS=0 every call reads

@@ -16,6 +16,7 @@ import pytest
 import torch
 from triton import knobs
 
+from fusedmoe.errors import FusedMoEError
 from fusedmoe.kernels import launch as L
 
 
@@ -159,5 +160,5 @@ def test_pdl_is_part_of_the_key_and_kernels_without_it_never_get_it(fast, monkey
 def test_a_bad_pdl_variable_is_an_error_naming_it(fast, monkeypatch):
     monkeypatch.setattr(L, "_PDL_HW", [True])
     monkeypatch.setenv("FUSEDMOE_PDL", "sometimes")
-    with pytest.raises(Exception, match="FUSEDMOE_PDL"):
+    with pytest.raises(FusedMoEError, match="FUSEDMOE_PDL: expected one of"):
         L.launch(_PdlKernel(), (1,), torch.zeros(64), 7, BLOCK=16, MODE="a")
