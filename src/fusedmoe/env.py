@@ -28,6 +28,7 @@ them again.
 | FUSEDMOE_LAUNCH_PLANS | eager calls at a known shape replay their launches (``modular.replay``) | a boolean (on) |
 | FUSEDMOE_W4_PTX | 4-bit GEMMs unpack weights in PTX (``kernels._w4_unpack``); off: fp32 | a boolean (default on) |
 | FUSEDMOE_PDL | programmatic dependent launch of the kernels on sm_90+ (``kernels.launch``) | a boolean (default on) |
+| FUSEDMOE_W4_DEQUANT | 4-bit weights written out for the bf16 GEMMs (``experts.triton``) | auto, N rows an expert, 0 |
 
 Booleans accept 1/true/yes/on and 0/false/no/off (any case); an empty value is the default.
 """
@@ -52,6 +53,7 @@ LAUNCH_CONFIG = "FUSEDMOE_LAUNCH_CONFIG"
 FAST_LAUNCH = "FUSEDMOE_FAST_LAUNCH"
 W4_PTX = "FUSEDMOE_W4_PTX"
 PDL = "FUSEDMOE_PDL"
+W4_DEQUANT = "FUSEDMOE_W4_DEQUANT"
 LAUNCH_PLANS = "FUSEDMOE_LAUNCH_PLANS"
 CONFIG_DIR = "FUSEDMOE_CONFIG_DIR"
 
@@ -109,6 +111,16 @@ def positive_int(name: str) -> int | None:
     return int(v)
 
 
+def auto_count(name: str) -> int | None:
+    """A variable that takes "auto" (or nothing: None) or an integer >= 0."""
+    v = raw(name)
+    if v is None or v.lower() == "auto":
+        return None
+    if not v.isdigit():
+        raise FusedMoEError(f"{name}: expected auto or an integer >= 0, got {v!r}")
+    return int(v)
+
+
 def names(name: str) -> list[str]:
     """A comma-separated list of names (empty entries dropped)."""
     v = raw(name)
@@ -126,14 +138,14 @@ def family_backend(family: str) -> str:
     return f"FUSEDMOE_{family.upper()}_BACKEND"
 
 
-_CHOICE_VARS = (BACKEND, SKIP_BACKENDS, CHUNK_SIZE, DETERMINISTIC, FUSE_ACT, FUSED_ROUTING, QUANT_ON_LOAD) + tuple(
-    family_backend(f) for f in FAMILIES
-)
+_CHOICE_VARS = (
+    BACKEND, SKIP_BACKENDS, CHUNK_SIZE, DETERMINISTIC, FUSE_ACT, FUSED_ROUTING, QUANT_ON_LOAD, W4_DEQUANT,
+) + tuple(family_backend(f) for f in FAMILIES)  # fmt: skip
 
 
 def choice_key() -> tuple:
     """The raw values of every variable that changes the kernel ``fused_moe`` builds: part of its
-    cache key, so changing one builds (and checks) a new kernel. 13 dictionary lookups, ~2 us."""
+    cache key, so changing one builds (and checks) a new kernel. 14 dictionary lookups, ~2 us."""
     return tuple([_get(v) for v in _CHOICE_VARS])
 
 
@@ -156,12 +168,15 @@ def quant_on_load() -> int | None:
     """``FUSEDMOE_QUANT_ON_LOAD``: None for "auto" or unset (the experts' measured rule, see
     ``experts.triton``), else the number of pairs up to which every call that can does it (0:
     none). Read when the Triton experts are built."""
-    v = raw(QUANT_ON_LOAD)
-    if v is None or v.lower() == "auto":
-        return None
-    if not v.isdigit():
-        raise FusedMoEError(f"{QUANT_ON_LOAD}: expected auto or an integer >= 0, got {v!r}")
-    return int(v)
+    return auto_count(QUANT_ON_LOAD)
+
+
+def w4_dequant() -> int | None:
+    """``FUSEDMOE_W4_DEQUANT``: None for "auto" or unset (the measured rule,
+    ``experts.thresholds.w4_dequant_from``), else the rows per expert from which 4-bit weights are
+    written out in the model dtype for the bf16 GEMMs (0: never). Read when the Triton experts
+    are built."""
+    return auto_count(W4_DEQUANT)
 
 
 def fused_routing() -> bool:
@@ -202,6 +217,7 @@ def check_all() -> None:
         flag(name)
     chunk_size()
     quant_on_load()
+    w4_dequant()
 
 
 def config_dir() -> Path:

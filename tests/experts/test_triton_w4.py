@@ -88,3 +88,90 @@ def test_other_schemes_keep_the_reference_layout():
         scheme, config = QuantScheme.by_name(name), _config(4, 2)
         prob = make_problem(config, scheme, 2, seed=0, device=DEVICE)
         assert TritonExperts(config, scheme).prepare_weights(prob.weights) is prob.weights, name
+
+
+# ---- prefill with the weights written out in the model dtype (``_dequant_w4``) ------------------
+
+
+def _count_dequant(monkeypatch) -> list:
+    """Calls of ``dequantize_w4`` made by the experts (the path taken, not just planned)."""
+    import fusedmoe.experts.triton as mod
+
+    calls = []
+    real = mod.dequantize_w4
+
+    def counted(w, dtype, *, out=None):
+        calls.append((tuple(w.shape), out is not None))
+        return real(w, dtype, out=out)
+
+    monkeypatch.setattr(mod, "dequantize_w4", counted)
+    return calls
+
+
+# every scheme in the standard layout; the batched layout with one e2m1 and one act-order scheme
+WRITTEN_OUT = [(n, "standard") for n in SCHEMES] + [("mxfp4", "batched"), ("int4_g128_actorder", "batched")]
+
+
+@pytest.mark.parametrize(("name", "layout"), WRITTEN_OUT, ids=[f"{n}-{lay}" for n, lay in WRITTEN_OUT])
+def test_layer_with_weights_written_out(name, layout, monkeypatch):
+    """From 4 rows per expert (forced): both GEMMs on dequantized weights, written into the
+    workspace's buffer (GEMM2's over GEMM1's), against the float64 reference."""
+    scheme, config = _schemes(name), _config(4, 2)
+    calls = _count_dequant(monkeypatch)
+    prob = make_problem(config, scheme, 24, seed=3, device=DEVICE)
+    cls, disp = (
+        (TritonExperts, LocalDispatcher) if layout == "standard" else (TritonBatchedExperts, LocalBatchedDispatcher)
+    )
+    experts = cls(config, scheme)
+    experts.w4_dequant = 4
+    w4 = experts.prepare_weights(prob.weights)
+    kernel = MoEKernel(disp(config, scheme), experts)
+    out = kernel(prob.x, TopK(prob.topk_ids, prob.topk_weights), w4)
+    assert [c[0] for c in calls] == [tuple(w4.w13.shape), tuple(w4.w2.shape)]
+    assert out.isfinite().all()
+    assert rel_error(out, prob.reference()) <= tolerance(scheme, config.dtype)
+
+
+def test_dequant_rule(monkeypatch):
+    """Where a call writes its 4-bit weights out: the forced start, the measured table (GPU row
+    before its architecture's), never in deterministic mode or past the buffer bound; the
+    workspace holds the buffer only where the largest call may take the path."""
+    import fusedmoe.experts.triton as mod
+    from fusedmoe.platform import current_platform
+
+    scheme, config = _schemes("mxfp4"), _config(4, 2)
+    experts = TritonExperts(config, scheme)
+    experts.w4_dequant = 8
+    assert experts._dequant_w4(32, 4, "mxfp4") and not experts._dequant_w4(31, 4, "mxfp4")
+    assert "w_deq" in experts.workspace(16, 4).shapes and "w_deq" not in experts.workspace(15, 4).shapes
+    assert experts.workspace(16, 4).shapes["w_deq"] == ((4 * 512 * 128,), torch.bfloat16)  # max(2I x H, H x I)
+    experts.deterministic = True
+    assert not experts._dequant_w4(4096, 4, "mxfp4")
+    experts.deterministic = False
+    monkeypatch.setattr(mod, "W4_DEQUANT_MAX_BYTES", 4 * 512 * 128 * 2 - 1)
+    assert not experts._dequant_w4(4096, 4, "mxfp4")
+    monkeypatch.setattr(mod, "W4_DEQUANT_MAX_BYTES", 1 << 30)
+    experts.w4_dequant = 0
+    assert not experts._dequant_w4(4096, 4, "mxfp4")
+    experts.w4_dequant = None  # the measured table
+    plat = current_platform()
+    table = {(plat.arch, "mxfp4"): 64}
+    monkeypatch.setattr("fusedmoe.experts.thresholds.W4_DEQUANT_FROM", table)
+    assert experts._dequant_w4(256, 4, "mxfp4") and not experts._dequant_w4(255, 4, "mxfp4")
+    assert not experts._dequant_w4(4096, 4, "int4")  # no row for the format: never
+    table[(plat.name, "mxfp4")] = None  # the GPU's own row wins, None included
+    assert not experts._dequant_w4(4096, 4, "mxfp4")
+
+
+def test_w4_dequant_variable(monkeypatch):
+    from fusedmoe import env
+    from fusedmoe.errors import FusedMoEError
+
+    scheme, config = _schemes("int4_g128"), _config(4, 2)
+    monkeypatch.setenv(env.W4_DEQUANT, "128")
+    assert TritonExperts(config, scheme).w4_dequant == 128
+    monkeypatch.setenv(env.W4_DEQUANT, "auto")
+    assert TritonExperts(config, scheme).w4_dequant is None
+    monkeypatch.setenv(env.W4_DEQUANT, "always")
+    with pytest.raises(FusedMoEError, match="FUSEDMOE_W4_DEQUANT"):
+        TritonExperts(config, scheme)

@@ -129,3 +129,23 @@ def grouped_mm_first(
     return first, (
         f"shape rule: {order} ({per_expert:g} tokens per expert, crossover {rule.tokens_per_expert} on {key[0]})"
     )
+
+
+# 4-bit weights (int4, MXFP4, NVFP4 as w4a16) from many rows per expert: the Triton experts write the
+# weights out in the model dtype once per call (``kernels.w4_dequant``) and run the bf16 GEMMs, whose
+# persistent TMA-fed tiles outrun the 4-bit GEMM's once the FLOPs outweigh one pass over the weights.
+# (GPU name or arch, 4-bit format) -> rows per expert (pairs / local experts) from which it pays; None
+# or absent: never (not measured). Fill from `fusedmoe bench` with FUSEDMOE_W4_DEQUANT=1 against 0.
+W4_DEQUANT_FROM: dict[tuple[str, str], int | None] = {}
+# The weights written out take a buffer of E_l x max(2I x H, H x I) values in the workspace: above
+# this the 4-bit GEMM serves every size (Mixtral-8x7B in bf16: 1.9 GB; DeepSeek-V3's 256 experts
+# would take 15 GB).
+W4_DEQUANT_MAX_BYTES = 4 << 30
+
+
+def w4_dequant_from(platform: Platform, w_fmt: str) -> int | None:
+    """The measured rows per expert from which 4-bit weights in ``w_fmt`` are written out in the
+    model dtype on this platform (its GPU's row, else its architecture's), or None."""
+    if (platform.name, w_fmt) in W4_DEQUANT_FROM:
+        return W4_DEQUANT_FROM[(platform.name, w_fmt)]
+    return W4_DEQUANT_FROM.get((platform.arch, w_fmt))

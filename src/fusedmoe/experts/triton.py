@@ -68,6 +68,13 @@ its configs come from ``w4_launch_config`` (measured per regime); at prefill GEM
 different BM, so the pairs are aligned twice; at decode GEMM2 may split K, its fp32 partials
 [S, T*K, H] summed by ``moe_sum`` with the top-k sum (no launch of its own).
 
+Prefill with 4-bit weights (``_dequant_w4``): from a measured number of rows per expert, per GPU and
+4-bit format (``thresholds.w4_dequant_from``; ``FUSEDMOE_W4_DEQUANT`` or ``experts.w4_dequant`` sets
+it), a call writes W13 out in the model dtype (``kernels.w4_dequant``, one pass) into the workspace's
+"w_deq", runs GEMM1 as the bf16 layer does (its tables, the persistent TMA-fed kernel), then W2 into
+the same buffer and GEMM2. The buffer is E_l x max(2I x H, H x I) values (Mixtral-8x7B: 1.9 GB in
+bf16), declared only where the largest call may take this path; the 4-bit GEMM serves the rest.
+
 Launch plans: the configs of both GEMMs (and GEMM2's split) for a pair count are worked out once
 and kept (``_plan``), so a call with a known T picks no config and builds no dataclass.
 
@@ -97,11 +104,13 @@ from ..kernels.grouped_gemm_w4 import supports as w4_supports
 from ..kernels.grouped_gemm_w4 import w4_gemm_launch, w4_launch_config
 from ..kernels.launch_config import LaunchConfig, gated_act_config, pick_launch_config
 from ..kernels.moe_sum import moe_sum
+from ..kernels.w4_dequant import dequantize_w4
 from ..metadata import ID_DTYPES, int32_ids, local_expert_ids
 from ..platform import current_platform
 from ..quant import Operand, QTensor
-from ..quant.w4_layout import convertible, from_w4_weights, is_w4, to_w4_weights
+from ..quant.w4_layout import W4_FORMATS, convertible, from_w4_weights, is_w4, to_w4_weights
 from .base import ALL_SCHEMES, Capabilities, Experts
+from .thresholds import W4_DEQUANT_MAX_BYTES, w4_dequant_from
 
 # Under the interpreter the kernels also run on the CPU (CI checks them there).
 _PLATFORMS = frozenset({"cuda"} | ({"cpu"} if interpreting() else set()))
@@ -174,6 +183,7 @@ class _Plan:
     lc2: LaunchConfig
     act: ActEpilogue | None = None
     a2_on_load: bool = False
+    dequant: bool = False  # 4-bit weights written out in the model dtype for the bf16 GEMMs (``_dequant_w4``)
 
     @property
     def same_blocks(self) -> bool:
@@ -237,6 +247,9 @@ class _TritonBase(Experts):
         # GEMM2 quantizes a2 in its loads: None, where the measured rule says (``_a2_on_load``), or
         # in every call of at most this many pairs that can (0: never)
         self.quant_on_load: int | None = env.quant_on_load()
+        # 4-bit weights written out in the model dtype for the bf16 GEMMs: None, where the measured
+        # rule says (``_dequant_w4``), or from this many rows per expert (0: never)
+        self.w4_dequant: int | None = env.w4_dequant()
         fmt2 = GemmFormat.of(scheme.w2, scheme.a2, config.hidden_size, config.intermediate_size)
         self._a2_loadable = self.layout is TokenLayout.STANDARD and on_load_why(scheme.a2) is None and fmt2.native
 
@@ -256,20 +269,21 @@ class _TritonBase(Experts):
         """The launch configs of a call of ``rows`` pairs (or batched rows), worked out once
         (``by_pair``: its GEMM blocks are pairs, ``pair_blocks``)."""
         w4 = is_w4(w13)
-        key = (rows, e_l, w4, self.deterministic, self.fuse_act, self.quant_on_load, by_pair)
+        key = (rows, e_l, w4, self.deterministic, self.fuse_act, self.quant_on_load, by_pair, self.w4_dequant)
         plan = self._plans.get(key)
         if plan is None:
             cfg, sch = self.config, self.scheme
             h, i, n1 = cfg.hidden_size, cfg.intermediate_size, cfg.w13_rows
             on_load = False
-            if w4:
+            dequant = w4 and self._dequant_w4(rows, e_l, w13.w_fmt)
+            if w4 and not dequant:
                 ep, det = self.act_epilogue(), self.deterministic
                 gated = ep is not None and ep.activation.is_gated
                 lc1 = w4_launch_config(rows, e_l, n1, h, w13, gated=gated, deterministic=det)
                 lc2 = w4_launch_config(rows, e_l, h, i, w2, deterministic=det)
-            else:
-                lc1 = self._launch_config(rows, e_l, n1, h, sch.w1, sch.a1)
-                lc2 = self._launch_config(rows, e_l, h, i, sch.w2, sch.a2)
+            else:  # dequant: the bf16 GEMMs' tables (w4a16: a1 and a2 are None too)
+                lc1 = self._launch_config(rows, e_l, n1, h, None if dequant else sch.w1, sch.a1)
+                lc2 = self._launch_config(rows, e_l, h, i, None if dequant else sch.w2, sch.a2)
                 if self.layout is TokenLayout.STANDARD:  # aligned once, with GEMM1's BM: GEMM2 is tuned under it
                     lc2 = replace(lc2, block_m=lc1.block_m)
                 on_load = self._a2_on_load(rows, lc2, by_pair)
@@ -278,11 +292,41 @@ class _TritonBase(Experts):
                 ep = replace(ep, amax_slots=True)
             lc1 = gated_act_config(lc1) if ep is not None and ep.activation.is_gated else lc1
             lc1 = _amax_subtile(lc1) if ep is not None and ep.track_amax else lc1
-            plan = _Plan(lc1, lc2, ep, on_load)
+            plan = _Plan(lc1, lc2, ep, on_load, dequant)
             if len(self._plans) >= _PLANS_KEPT:
                 self._plans.clear()
             self._plans[key] = plan
         return plan
+
+    def _dequant_w4(self, rows: int, e_l: int, w_fmt: str) -> bool:
+        """Whether a call of ``rows`` pairs (or batched rows) over ``e_l`` experts writes its 4-bit
+        weights out in the model dtype and runs the bf16 GEMMs (``kernels.w4_dequant``): from
+        ``w4_dequant`` rows per expert, or by default from the measured threshold of the GPU and
+        format (``thresholds.w4_dequant_from``); never in deterministic mode (the GEMMs would then
+        depend on the batch size) or where the buffer would pass ``W4_DEQUANT_MAX_BYTES``."""
+        if self.deterministic or e_l == 0:
+            return False
+        start = self.w4_dequant
+        if start is None:
+            start = w4_dequant_from(current_platform(), w_fmt)
+        if not start or rows < start * e_l:
+            return False
+        return self._dequant_numel(e_l) * self.config.dtype.itemsize <= W4_DEQUANT_MAX_BYTES
+
+    def _dequant_numel(self, e_l: int) -> int:
+        """Values of the buffer both GEMMs' weights are written out into, one after the other."""
+        c = self.config
+        return e_l * max(c.w13_rows * c.hidden_size, c.hidden_size * c.intermediate_size)
+
+    def _weight(self, plan: _Plan, weights, which: str, workspace, dev) -> Operand:
+        """GEMM1's ("w13") or GEMM2's ("w2") weight operand: as stored, or under ``plan.dequant``
+        written out into the workspace's "w_deq" (GEMM2's overwrites GEMM1's, which the stream
+        order keeps after GEMM1)."""
+        w = getattr(weights, which)
+        if not plan.dequant:
+            return Operand(w, self.scheme.w1 if which == "w13" else self.scheme.w2)
+        buf = take(workspace, "w_deq", tuple(w.shape), self.config.dtype, dev)
+        return Operand.of(dequantize_w4(w, self.config.dtype, out=buf))
 
     def _a2_on_load(self, rows: int, lc2: LaunchConfig, by_pair: bool) -> bool:
         """Whether GEMM2 quantizes a2 as it loads it in a call of ``rows`` pairs (module docstring).
@@ -331,8 +375,9 @@ class _TritonBase(Experts):
         return pick_launch_config(rows, e_l, n, k, scheme_key(w_quant, a_quant), deterministic=self.deterministic)
 
     def _gemm1_act(
-        self, a, weights, ep: ActEpilogue, rows: int, workspace, gemm, local_pairs=None, on_load=False, **kw
-    ) -> tuple[QTensor, torch.Tensor | None]:
+        self, a, weights, w13: Operand, ep: ActEpilogue, rows: int, workspace, gemm, local_pairs=None, on_load=False,
+        **kw,
+    ) -> tuple[QTensor, torch.Tensor | None]:  # fmt: skip
         """(a2 [rows, I], its abs-max or None) from GEMM1 with the activation in its epilogue
         (``gemm`` is the standard or batched op). a2 is quantized there; or, for a per-tensor
         dynamic a2, by one pass of ``quantize_activations`` after it over the abs-max the
@@ -350,7 +395,7 @@ class _TritonBase(Experts):
             data = take(workspace, "a2", (rows, i), ep.out_dtype(cfg.dtype), dev)
             scale = weights.act_scales("a2", sch.a2).get("scale") if ep.quant is not None else None
         out = data if a.data.dim() == 2 else data.view(*a.data.shape[:2], i)  # batched: [E_l, M, I]
-        gemm(Operand(a, sch.a1), Operand(weights.w13, sch.w1), bias=weights.b13, out=out, act=ep, act_scale=scale, **kw)
+        gemm(Operand(a, sch.a1), w13, bias=weights.b13, out=out, act=ep, act_scale=scale, **kw)
         if on_load:
             return QTensor(data, (rows, i)), scale
         if ep.track_amax:
@@ -380,6 +425,8 @@ class _TritonBase(Experts):
             shapes.setdefault("h_act", ((on_load, i), c.dtype))
             if _tensor_dynamic(self.scheme.a2):
                 shapes["a2_amax"] = ((1,), torch.float32)
+        if self._w4 and e_l and self._dequant_w4(rows, e_l, W4_FORMATS[self.scheme.w1.dtype]):
+            shapes["w_deq"] = ((self._dequant_numel(e_l),), c.dtype)  # both GEMMs' weights, one after the other
         if "a2_amax" in shapes and self.layout is TokenLayout.STANDARD:
             # pair blocks: one slot per GEMM1 program, >= 16 columns a tile
             shapes["a2_amax_slots"] = ((self._pair_block_pairs(rows, e_l) * cdiv(i, 16),), torch.int32)
@@ -442,11 +489,12 @@ class TritonExperts(_TritonBase):
         if ep is not None:
             kw = dict(routing=routing, a_div=k, config=plan.lc1, on_load=plan.a2_on_load)
             mask = None if expert_map is None else local_pairs
-            a2, a2_amax = self._gemm1_act(a, weights, ep, pairs, workspace, grouped_gemm, mask, **kw)
+            w13 = self._weight(plan, weights, "w13", workspace, dev)
+            a2, a2_amax = self._gemm1_act(a, weights, w13, ep, pairs, workspace, grouped_gemm, mask, **kw)
         else:
             h = take(workspace, "h", (pairs, cfg.w13_rows), cfg.dtype, dev)
             row_mask = _unwritten_rows(h, sch.a2, local_pairs)
-            w13 = Operand(weights.w13, sch.w1)
+            w13 = self._weight(plan, weights, "w13", workspace, dev)
             grouped_gemm(Operand(a, sch.a1), w13, routing, bias=weights.b13, a_div=k, out=h, config=plan.lc1)
             a2_out = _a2_out(workspace, sch.a2, pairs, cfg.intermediate_size, dev)
             act_scales = weights.act_scales("a2", sch.a2)
@@ -457,7 +505,7 @@ class TritonExperts(_TritonBase):
             routing = pair_blocks(ids, bm) if by_pair else moe_align(ids, e_l, bm, expert_map)
         y = take(workspace, "y", (pairs, cfg.hidden_size), cfg.dtype, dev)
         load_q = sch.a2 if plan.a2_on_load else None  # a2 quantized by GEMM2 itself, else as stored
-        a2, w2 = Operand(a2, None if load_q else sch.a2), Operand(weights.w2, sch.w2)
+        a2, w2 = Operand(a2, None if load_q else sch.a2), self._weight(plan, weights, "w2", workspace, dev)
         route_w = None if cfg.apply_router_weight_on_input else topk.weights
         if plan.lc2.split_k > 1:
             # split-K partials [S, T*K, H] (router weight applied): moe_sum adds them up with the top-k sum
@@ -483,7 +531,7 @@ class TritonBatchedExperts(_TritonBase):
 
     def workspace(self, num_tokens: int, num_local_experts: int) -> Workspace:
         """Buffers for ``num_tokens`` rows per expert (M of the batched layout)."""
-        return self._workspace(num_local_experts * num_tokens)
+        return self._workspace(num_local_experts * num_tokens, num_local_experts)
 
     def apply_batched(self, a, counts, weights, out, *, workspace=None):
         cfg, sch = self.config, self.scheme
@@ -494,10 +542,11 @@ class TritonBatchedExperts(_TritonBase):
         ep = self.act_epilogue()
         if ep is not None:
             kw = dict(counts=counts, config=plan.lc1)
-            a2, _ = self._gemm1_act(a, weights, ep, rows, workspace, grouped_gemm_batched, **kw)
+            w13 = self._weight(plan, weights, "w13", workspace, dev)
+            a2, _ = self._gemm1_act(a, weights, w13, ep, rows, workspace, grouped_gemm_batched, **kw)
         else:
             h = take(workspace, "h", (rows, cfg.w13_rows), cfg.dtype, dev).zero_()
-            w13 = Operand(weights.w13, sch.w1)
+            w13 = self._weight(plan, weights, "w13", workspace, dev)
             h3 = h.view(e_l, m, -1)
             grouped_gemm_batched(Operand(a, sch.a1), w13, counts, bias=weights.b13, out=h3, config=plan.lc1)
             a2_out = _a2_out(workspace, sch.a2, rows, cfg.intermediate_size, dev)
@@ -511,7 +560,7 @@ class TritonBatchedExperts(_TritonBase):
             a2 = QTensor(a2.view(e_l, m, -1), (e_l, m, i))
         grouped_gemm_batched(
             Operand(a2, sch.a2),
-            Operand(weights.w2, sch.w2),
+            self._weight(plan, weights, "w2", workspace, dev),
             counts,
             bias=weights.b2,
             out=out,

@@ -305,6 +305,15 @@ def fast_unpack(cfg: LaunchConfig, w: W4Tensor, dtype: torch.dtype) -> bool:
         return False
     if cfg.block_m < 16:  # "fma1": fp32 weights by PTX where they are exact in bf16; "fma": fp32 decode
         return w.w_fmt != "int4" and _mode(cfg) == "fma1"
+    return ptx_16bit_unpack(w, dtype)
+
+
+def ptx_16bit_unpack(w: W4Tensor, dtype: torch.dtype) -> bool:
+    """Whether W tiles of ``dtype`` (a tensor-core operand, or ``w4_dequant``'s output) are
+    unpacked by the paired 16-bit PTX: on a GPU, bf16, or fp16 with int4 weights, unless
+    ``FUSEDMOE_W4_PTX`` is off."""
+    if interpreting() or not env.w4_ptx():
+        return False
     return dtype == torch.bfloat16 or (dtype == torch.float16 and w.w_fmt == "int4")
 
 

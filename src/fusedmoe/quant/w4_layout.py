@@ -49,7 +49,7 @@ from .tensor import QTensor
 
 LAYOUT = "w4_kblock"
 W4_DTYPES = (QDtype.INT4, QDtype.MXFP4, QDtype.NVFP4)
-_W_FMT = {QDtype.INT4: "int4", QDtype.MXFP4: "mxfp4", QDtype.NVFP4: "nvfp4"}  # the kernel's names
+W4_FORMATS = {QDtype.INT4: "int4", QDtype.MXFP4: "mxfp4", QDtype.NVFP4: "nvfp4"}  # the kernel's names
 MIN_HALF = 16  # tl.dot's smallest K for 16-bit operands: a half block is one dot
 
 
@@ -178,7 +178,7 @@ def to_w4(q: QTensor, tq: TensorQuant, pack_block: int | None = None) -> W4Tenso
     data = pack_nibbles(codes).view(torch.int32)
     scale = _pad_last(q.scale, kp // g)
     zero = None if q.zero is None else _pad_last(q.zero, kp // g, fill=8)
-    w_fmt = _W_FMT[tq.dtype]
+    w_fmt = W4_FORMATS[tq.dtype]
     return W4Tensor(
         data=data,
         shape=tuple(q.shape),
@@ -236,7 +236,7 @@ def as_w4(q: QTensor, tq: TensorQuant, perm: torch.Tensor | None) -> W4Tensor:
     ``fusedmoe::moe_forward`` op passes tensors, not Python objects): the metadata ``to_w4`` sets
     from the scheme (its default pack block: the only one ``prepare_weights`` uses) and ``perm``;
     ``e2m1_one_mul`` stays False (finding it needs a host sync, which a call must not make)."""
-    w_fmt = _W_FMT[tq.dtype]
+    w_fmt = W4_FORMATS[tq.dtype]
     extra = dict(pack_block=default_pack_block(tq), perm=perm, group_size=tq.granularity.group_size, w_fmt=w_fmt)
     return W4Tensor(**{k: getattr(q, k) for k in ("data", "shape", "scale", "zero", "global_scale", "g_idx")}, **extra)
 

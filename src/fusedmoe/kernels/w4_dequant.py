@@ -1,0 +1,125 @@
+"""4-bit weights in the w4 layout written out in the model dtype: ``dequantize_w4(w) -> [E, N, K]``.
+
+Prefill with many rows per expert is bound by the tensor cores, not by the weight bytes: there
+the 4-bit GEMM, which unpacks its W tile in every program, ran Mixtral-8x7B MXFP4 at T = 4096
+at ~370 TFLOP/s on an H200 while the bf16 layer's persistent TMA-fed GEMMs ran the same shapes
+at ~610 (PERF_LOG, fourteenth session). One pass that writes the weights out in bf16 (Mixtral:
+1.41 G weights, 0.7 GB read and 2.8 GB written, ~0.9 ms) then lets the bf16 GEMMs run them;
+``experts.triton`` takes this per call from a measured rows-per-expert threshold
+(``experts.thresholds.w4_dequant_from``).
+
+Each value is the one the 4-bit GEMM's W operand holds (the same unpack, ``_w4_operands`` and
+``_w4_unpack``): e2m1 times an e8m0 or e4m3 scale is exact in bf16; an int4 weight (c - zero)
+times its scale and an NVFP4 weight times its fp32 global scale take one rounding to the model
+dtype, where the 4-bit GEMM keeps the scale's product in fp32 (the global scale is applied to
+its accumulator). Act-order weights (their columns sorted by group in the w4 layout) are
+written back to the checkpoint's column order through ``perm``; K's padding is dropped.
+
+``dequantize_w4_ref`` is the same from the reference layout in float64, rounded once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..errors import expect
+from ..quant import TensorQuant, dequantize
+from ..quant.w4_layout import W4Tensor, from_w4, is_w4
+from ._common import cdiv, pdl_wait
+from ._grouped_gemm_w4 import _w4_tiles
+from ._w4_operands import _w4_step_scales
+from .gemm_format import _TL_DTYPE, _strides, _u8
+from .grouped_gemm_w4 import ptx_16bit_unpack
+from .launch import launch
+
+# 64 W rows x 256 columns a program: 8 KB read, 32 KB written (bf16), 4 warps. Mixtral's W13
+# (8 x 28672 x 4096) is 57,344 programs, ~430 per SM: a streaming pass, no reuse to tile for.
+_BLOCK_N = 64
+_BLOCK_K = 256
+
+
+@triton.jit
+def _w4_dequant_kernel(
+    w_ptr, ws_ptr, wz_ptr, wg_ptr, perm_ptr, out_ptr,
+    N, KD, KP,
+    stride_we, stride_wn, stride_wk,
+    stride_wse, stride_wsn, stride_wsk,
+    stride_pe, stride_pk,
+    stride_oe, stride_on, stride_ok,
+    W_FMT: tl.constexpr, GROUP: tl.constexpr, PK: tl.constexpr, HAS_ZERO: tl.constexpr,
+    HAS_W_GSCALE: tl.constexpr, ACT_ORDER: tl.constexpr, FAST: tl.constexpr, SPLIT: tl.constexpr,
+    OP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels.launch sets it)
+):  # fmt: skip
+    """out[e, n, col] for the BLOCK_N x BLOCK_K tile (program axes: N, K, expert) of the w4
+    bytes: each pack block's low and high halves unpacked as the GEMM's W operand is, times the
+    global scale, stored at their columns (through ``perm`` under ACT_ORDER)."""
+    pdl_wait(PDL)
+    e = tl.program_id(2).to(tl.int64)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = cols < N
+    k0 = tl.program_id(1) * BLOCK_K
+    HALF: tl.constexpr = PK // 2
+    w_base = w_ptr + e * stride_we
+    ws_k, wz_k = _w4_step_scales(ws_ptr + e * stride_wse, wz_ptr + e * stride_wse, k0, stride_wsk, GROUP)
+    out_rows = out_ptr + e * stride_oe + cols.to(tl.int64)[:, None] * stride_on
+    gs = 1.0
+    if HAS_W_GSCALE:
+        gs = tl.load(wg_ptr + e)
+    for j in tl.static_range(BLOCK_K // PK):
+        kb = k0 + j * PK
+        lo, hi = _w4_tiles(
+            w_base, ws_k, wz_k, cols, n_ok & (kb < KP), kb, stride_wn, stride_wk, stride_wsn, stride_wsk,
+            W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, BLOCK_N, OP, 1, PK, KP, j * PK, KP - k0,
+        )  # fmt: skip
+        for h in tl.static_range(2):
+            w = lo if h == 0 else hi
+            if HAS_W_GSCALE:
+                w = (w.to(tl.float32) * gs).to(OP)
+            pos = kb + h * HALF + tl.arange(0, HALF)  # stored positions; past KD: K's padding
+            col = pos
+            if ACT_ORDER:
+                col = tl.load(perm_ptr + e * stride_pe + pos * stride_pk, mask=pos < KD, other=0)
+            tl.store(out_rows + col[None, :] * stride_ok, w, mask=n_ok[:, None] & (pos < KD)[None, :])
+
+
+def dequantize_w4(w: W4Tensor, dtype: torch.dtype, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The weights of ``w`` ([E, N, K], w4 layout) in ``dtype`` (bf16 or fp16; fp32 under the
+    interpreter as well), into ``out`` when given (contiguous [E, N, K] of that dtype on w's
+    device). One launch (module docstring)."""
+    expect(is_w4(w), "w", "a weight in the w4 layout (quant.w4_layout.to_w4)", type(w).__name__)
+    expect(dtype in _TL_DTYPE, "dtype", f"one of {list(_TL_DTYPE)}", dtype)
+    e, n, k = w.shape
+    data = w.bytes_u8()
+    if out is None:
+        out = torch.empty(e, n, k, dtype=dtype, device=data.device)
+    expect(
+        out.shape == (e, n, k) and out.dtype == dtype and out.device == data.device and out.is_contiguous(),
+        "out", f"a contiguous [{e}, {n}, {k}] {dtype} tensor on {data.device}", (tuple(out.shape), out.dtype),
+    )  # fmt: skip
+    if out.numel() == 0:
+        return out
+    wg = w.global_scale.reshape(-1).float().contiguous() if w.global_scale is not None else None
+    n_gs = None if wg is None else wg.numel()
+    expect(wg is None or n_gs == e, "w.global_scale", f"one value per expert ({e})", n_gs)
+    bk = max(_BLOCK_K, w.pack_block)  # whole pack blocks a program
+    grid = (cdiv(n, _BLOCK_N), cdiv(w.k_padded, bk), e)
+    launch(_w4_dequant_kernel, grid,
+        data, _u8(w.scale), out if w.zero is None else w.zero, out if wg is None else wg,
+        out if w.perm is None else w.perm, out,
+        n, k, w.k_padded, *data.stride(), *_strides(w.scale, 3),
+        *(w.perm.stride() if w.perm is not None else (0, 0)), *out.stride(),
+        W_FMT=w.w_fmt, GROUP=w.group_size, PK=w.pack_block, HAS_ZERO=w.zero is not None,
+        HAS_W_GSCALE=wg is not None, ACT_ORDER=w.perm is not None, FAST=ptx_16bit_unpack(w, dtype),
+        SPLIT=w.scale.dtype != dtype if w.w_fmt == "int4" else not w.e2m1_one_mul,
+        OP=_TL_DTYPE[dtype], BLOCK_N=_BLOCK_N, BLOCK_K=bk, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def dequantize_w4_ref(w: W4Tensor, tq: TensorQuant, dtype: torch.dtype) -> torch.Tensor:
+    """``dequantize_w4``'s values from the reference layout (``from_w4``): float64, rounded once to
+    ``dtype``."""
+    return dequantize(from_w4(w), tq, torch.float64).to(dtype)
