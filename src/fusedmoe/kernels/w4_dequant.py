@@ -28,7 +28,7 @@ from ..errors import expect
 from ..quant import TensorQuant, dequantize
 from ..quant.w4_layout import W4Tensor, from_w4, is_w4
 from ._common import cdiv, pdl_wait
-from ._grouped_gemm_w4 import _w4_tiles
+from ._grouped_gemm_w4 import _cat_k, _w4_tiles
 from ._w4_operands import _w4_step_scales
 from .gemm_format import _TL_DTYPE, _strides, _u8
 from .grouped_gemm_w4 import ptx_16bit_unpack
@@ -36,8 +36,8 @@ from .launch import launch
 
 # 64 W rows x 256 columns a program: 8 KB read, 32 KB written (bf16), 4 warps. Mixtral's W13
 # (8 x 28672 x 4096) is 57,344 programs, ~430 per SM: a streaming pass, no reuse to tile for.
-_BLOCK_N = 64
-_BLOCK_K = 256
+# cat: each pack block stored as one [BN, PK] tile in K order (else its two halves apart).
+_CONFIG = {"block_n": 64, "block_k": 256, "num_warps": 4, "cat": True}
 
 
 @triton.jit
@@ -50,7 +50,7 @@ def _w4_dequant_kernel(
     stride_oe, stride_on, stride_ok,
     W_FMT: tl.constexpr, GROUP: tl.constexpr, PK: tl.constexpr, HAS_ZERO: tl.constexpr,
     HAS_W_GSCALE: tl.constexpr, ACT_ORDER: tl.constexpr, FAST: tl.constexpr, SPLIT: tl.constexpr,
-    OP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    OP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CAT: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (kernels.launch sets it)
 ):  # fmt: skip
     """out[e, n, col] for the BLOCK_N x BLOCK_K tile (program axes: N, K, expert) of the w4
@@ -68,21 +68,36 @@ def _w4_dequant_kernel(
     gs = 1.0
     if HAS_W_GSCALE:
         gs = tl.load(wg_ptr + e)
+    perm_base = perm_ptr + e * stride_pe
     for j in tl.static_range(BLOCK_K // PK):
         kb = k0 + j * PK
         lo, hi = _w4_tiles(
             w_base, ws_k, wz_k, cols, n_ok & (kb < KP), kb, stride_wn, stride_wk, stride_wsn, stride_wsk,
             W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, BLOCK_N, OP, 1, PK, KP, j * PK, KP - k0,
         )  # fmt: skip
-        for h in tl.static_range(2):
-            w = lo if h == 0 else hi
-            if HAS_W_GSCALE:
-                w = (w.to(tl.float32) * gs).to(OP)
-            pos = kb + h * HALF + tl.arange(0, HALF)  # stored positions; past KD: K's padding
-            col = pos
-            if ACT_ORDER:
-                col = tl.load(perm_ptr + e * stride_pe + pos * stride_pk, mask=pos < KD, other=0)
-            tl.store(out_rows + col[None, :] * stride_ok, w, mask=n_ok[:, None] & (pos < KD)[None, :])
+        if CAT:
+            _store_cols(out_rows, _cat_k(lo, hi), kb, n_ok, gs, perm_base, KD, stride_pk, stride_ok, HAS_W_GSCALE,
+                        ACT_ORDER, OP)  # fmt: skip
+        else:
+            _store_cols(out_rows, lo, kb, n_ok, gs, perm_base, KD, stride_pk, stride_ok, HAS_W_GSCALE, ACT_ORDER, OP)
+            _store_cols(out_rows, hi, kb + HALF, n_ok, gs, perm_base, KD, stride_pk, stride_ok, HAS_W_GSCALE,
+                        ACT_ORDER, OP)  # fmt: skip
+
+
+@triton.jit
+def _store_cols(
+    out_rows, w, p0, n_ok, gs, perm_base, KD, stride_pk, stride_ok,
+    HAS_W_GSCALE: tl.constexpr, ACT_ORDER: tl.constexpr, OP: tl.constexpr,
+):  # fmt: skip
+    """Store ``w`` [BN, C] (stored positions p0 .. p0 + C; past KD: K's padding) times the global
+    scale at its columns (through ``perm`` under ACT_ORDER)."""
+    if HAS_W_GSCALE:
+        w = (w.to(tl.float32) * gs).to(OP)
+    pos = p0 + tl.arange(0, w.shape[1])
+    col = pos
+    if ACT_ORDER:
+        col = tl.load(perm_base + pos * stride_pk, mask=pos < KD, other=0)
+    tl.store(out_rows + col[None, :] * stride_ok, w, mask=n_ok[:, None] & (pos < KD)[None, :])
 
 
 def dequantize_w4(w: W4Tensor, dtype: torch.dtype, *, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -104,8 +119,9 @@ def dequantize_w4(w: W4Tensor, dtype: torch.dtype, *, out: torch.Tensor | None =
     wg = w.global_scale.reshape(-1).float().contiguous() if w.global_scale is not None else None
     n_gs = None if wg is None else wg.numel()
     expect(wg is None or n_gs == e, "w.global_scale", f"one value per expert ({e})", n_gs)
-    bk = max(_BLOCK_K, w.pack_block)  # whole pack blocks a program
-    grid = (cdiv(n, _BLOCK_N), cdiv(w.k_padded, bk), e)
+    cfg = _CONFIG
+    bk = max(cfg["block_k"], w.pack_block)  # whole pack blocks a program
+    grid = (cdiv(n, cfg["block_n"]), cdiv(w.k_padded, bk), e)
     launch(_w4_dequant_kernel, grid,
         data, _u8(w.scale), out if w.zero is None else w.zero, out if wg is None else wg,
         out if w.perm is None else w.perm, out,
@@ -114,7 +130,7 @@ def dequantize_w4(w: W4Tensor, dtype: torch.dtype, *, out: torch.Tensor | None =
         W_FMT=w.w_fmt, GROUP=w.group_size, PK=w.pack_block, HAS_ZERO=w.zero is not None,
         HAS_W_GSCALE=wg is not None, ACT_ORDER=w.perm is not None, FAST=ptx_16bit_unpack(w, dtype),
         SPLIT=w.scale.dtype != dtype if w.w_fmt == "int4" else not w.e2m1_one_mul,
-        OP=_TL_DTYPE[dtype], BLOCK_N=_BLOCK_N, BLOCK_K=bk, num_warps=4,
+        OP=_TL_DTYPE[dtype], BLOCK_N=cfg["block_n"], BLOCK_K=bk, CAT=cfg["cat"], num_warps=cfg["num_warps"],
     )  # fmt: skip
     return out
 
