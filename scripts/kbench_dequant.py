@@ -2,7 +2,7 @@
 
     PYTHONPATH=src python3 scripts/kbench_dequant.py [--configs "64,256,4,1 32,256,4,1 ..."]
 
-Each config is BN,BK,WARPS,CAT (``w4_dequant._CONFIG``). Prints, per format and shape, the median
+Each config is BN,BK,WARPS (``w4_dequant._CONFIG``). Prints, per format and shape, the median
 time of 10 launches (CUDA events; the weights, 0.7-3.5 GB a pass, are far past the L2) and the
 bytes moved per second (packed bytes, scales and the output), and checks every config's output
 against the first one's, bit for bit.
@@ -42,7 +42,7 @@ def _time(fn, reps: int = 10) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--configs", default="64,256,4,1 64,256,4,0 32,256,4,1 128,256,8,1 64,512,4,1 32,512,4,1")
+    ap.add_argument("--configs", default="64,256,4 32,256,4 128,256,8 64,512,4 16,512,4 128,128,4")
     ap.add_argument("--schemes", default=",".join(SCHEMES))
     ap.add_argument("--shapes", default=",".join(SHAPES))
     args = ap.parse_args()
@@ -61,13 +61,13 @@ def _run(sname: str, tq, shape_name: str, configs) -> None:
     moved = sum(t.numel() * t.element_size() for t in w.tensors().values()) + e * n * k * 2
     out = torch.empty(e, n, k, dtype=torch.bfloat16, device="cuda")
     first = None
-    for bn, bk, warps, cat in configs:
-        w4_dequant._CONFIG = {"block_n": bn, "block_k": bk, "num_warps": warps, "cat": bool(cat)}
+    for bn, bk, warps in configs:
+        w4_dequant._CONFIG = {"block_n": bn, "block_k": bk, "num_warps": warps}
         out.fill_(float("nan"))
         ms = _time(lambda: w4_dequant.dequantize_w4(w, torch.bfloat16, out=out))
         same = "ref" if first is None else ("same" if torch.equal(out, first) else "DIFFERENT")
         first = out.clone() if first is None else first
-        print(f"{sname:10s} {shape_name:12s} BN {bn:3d} BK {bk:3d} warps {warps} cat {cat}: "
+        print(f"{sname:10s} {shape_name:12s} BN {bn:3d} BK {bk:3d} warps {warps}: "
               f"{ms:7.3f} ms {moved / ms / 1e9:6.2f} TB/s {same}", flush=True)  # fmt: skip
 
 

@@ -161,6 +161,11 @@ def test_dequant_rule(monkeypatch):
     assert not experts._dequant_w4(4096, 4, "int4")  # no row for the format: never
     table[(plat.name, "mxfp4")] = None  # the GPU's own row wins, None included
     assert not experts._dequant_w4(4096, 4, "mxfp4")
+    from fusedmoe.experts.thresholds import W4_DEQUANT_FROM
+    from fusedmoe.quant.w4_layout import W4_FORMATS
+
+    for (_, fmt), start in W4_DEQUANT_FROM.items():  # the shipped table: formats the kernel names, counts
+        assert fmt in W4_FORMATS.values() and (start is None or start >= 1)
 
 
 def test_w4_dequant_variable(monkeypatch):

@@ -136,7 +136,19 @@ def grouped_mm_first(
 # persistent TMA-fed tiles outrun the 4-bit GEMM's once the FLOPs outweigh one pass over the weights.
 # (GPU name or arch, 4-bit format) -> rows per expert (pairs / local experts) from which it pays; None
 # or absent: never (not measured). Fill from `fusedmoe bench` with FUSEDMOE_W4_DEQUANT=1 against 0.
-W4_DEQUANT_FROM: dict[tuple[str, str], int | None] = {}
+#
+# H200, 2026-11-29 (benchmarks/results/layer_h200_w4_dequant_2026-11-29.md), the layer's time with
+# the weights written out over the 4-bit GEMM's, at 128 / 256 / 512 / 1024 rows per expert:
+#   mxfp4  Mixtral - / 1.06 / 0.82 / 0.70; gpt-oss 1.28 / 1.01 / 0.85 / -; Qwen3 - / 1.10 / 0.91 / 0.76
+#   nvfp4  Mixtral - / 0.92 / 0.73 / 0.65; gpt-oss 1.09 / 0.88 / 0.77 / -; Qwen3 - / 0.91 / 0.76 / 0.67
+#   int4   Mixtral 1.47 / 1.25 / 0.92 / 0.89; Qwen3 - / 1.24 / 1.00 / 0.84
+# The H100 is not measured: its ~1.4x lower copy bandwidth makes the pass ~1.4x longer against GEMMs
+# of about the same speed, so the H200's thresholds are not carried over to the sm90 row.
+W4_DEQUANT_FROM: dict[tuple[str, str], int | None] = {
+    ("NVIDIA H200", "mxfp4"): 512,
+    ("NVIDIA H200", "nvfp4"): 256,
+    ("NVIDIA H200", "int4"): 512,
+}
 # The weights written out take a buffer of E_l x max(2I x H, H x I) values in the workspace: above
 # this the 4-bit GEMM serves every size (Mixtral-8x7B in bf16: 1.9 GB; DeepSeek-V3's 256 experts
 # would take 15 GB).

@@ -36,8 +36,10 @@ from .launch import launch
 
 # 64 W rows x 256 columns a program: 8 KB read, 32 KB written (bf16), 4 warps. Mixtral's W13
 # (8 x 28672 x 4096) is 57,344 programs, ~430 per SM: a streaming pass, no reuse to tile for.
-# cat: each pack block stored as one [BN, PK] tile in K order (else its two halves apart).
-_CONFIG = {"block_n": 64, "block_k": 256, "num_warps": 4, "cat": True}
+# Measured on an H200 (scripts/kbench_dequant.py, PERF_LOG fourteenth session): 2.4-2.9 TB/s of
+# bytes moved (copy: 4.2); BN 16-128, BK 128-512, 4 or 8 warps all within ~10% of it, each the
+# fastest somewhere; each pack block stored as one K-order tile or as its two halves apart, too.
+_CONFIG = {"block_n": 64, "block_k": 256, "num_warps": 4}
 
 
 @triton.jit
@@ -50,12 +52,12 @@ def _w4_dequant_kernel(
     stride_oe, stride_on, stride_ok,
     W_FMT: tl.constexpr, GROUP: tl.constexpr, PK: tl.constexpr, HAS_ZERO: tl.constexpr,
     HAS_W_GSCALE: tl.constexpr, ACT_ORDER: tl.constexpr, FAST: tl.constexpr, SPLIT: tl.constexpr,
-    OP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CAT: tl.constexpr,
+    OP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (kernels.launch sets it)
 ):  # fmt: skip
     """out[e, n, col] for the BLOCK_N x BLOCK_K tile (program axes: N, K, expert) of the w4
-    bytes: each pack block's low and high halves unpacked as the GEMM's W operand is, times the
-    global scale, stored at their columns (through ``perm`` under ACT_ORDER)."""
+    bytes: each pack block's low and high halves unpacked as the GEMM's W operand is, joined in
+    K order, times the global scale, stored at their columns (through ``perm`` under ACT_ORDER)."""
     pdl_wait(PDL)
     e = tl.program_id(2).to(tl.int64)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -75,13 +77,8 @@ def _w4_dequant_kernel(
             w_base, ws_k, wz_k, cols, n_ok & (kb < KP), kb, stride_wn, stride_wk, stride_wsn, stride_wsk,
             W_FMT, GROUP, HALF, HAS_ZERO, FAST, SPLIT, BLOCK_N, OP, 1, PK, KP, j * PK, KP - k0,
         )  # fmt: skip
-        if CAT:
-            _store_cols(out_rows, _cat_k(lo, hi), kb, n_ok, gs, perm_base, KD, stride_pk, stride_ok, HAS_W_GSCALE,
-                        ACT_ORDER, OP)  # fmt: skip
-        else:
-            _store_cols(out_rows, lo, kb, n_ok, gs, perm_base, KD, stride_pk, stride_ok, HAS_W_GSCALE, ACT_ORDER, OP)
-            _store_cols(out_rows, hi, kb + HALF, n_ok, gs, perm_base, KD, stride_pk, stride_ok, HAS_W_GSCALE,
-                        ACT_ORDER, OP)  # fmt: skip
+        _store_cols(out_rows, _cat_k(lo, hi), kb, n_ok, gs, perm_base, KD, stride_pk, stride_ok, HAS_W_GSCALE,
+                    ACT_ORDER, OP)  # fmt: skip
 
 
 @triton.jit
@@ -130,7 +127,7 @@ def dequantize_w4(w: W4Tensor, dtype: torch.dtype, *, out: torch.Tensor | None =
         W_FMT=w.w_fmt, GROUP=w.group_size, PK=w.pack_block, HAS_ZERO=w.zero is not None,
         HAS_W_GSCALE=wg is not None, ACT_ORDER=w.perm is not None, FAST=ptx_16bit_unpack(w, dtype),
         SPLIT=w.scale.dtype != dtype if w.w_fmt == "int4" else not w.e2m1_one_mul,
-        OP=_TL_DTYPE[dtype], BLOCK_N=cfg["block_n"], BLOCK_K=bk, CAT=cfg["cat"], num_warps=cfg["num_warps"],
+        OP=_TL_DTYPE[dtype], BLOCK_N=cfg["block_n"], BLOCK_K=bk, num_warps=cfg["num_warps"],
     )  # fmt: skip
     return out
 
