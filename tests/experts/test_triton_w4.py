@@ -161,10 +161,15 @@ def test_dequant_rule(monkeypatch):
     assert not experts._dequant_w4(4096, 4, "int4")  # no row for the format: never
     table[(plat.name, "mxfp4")] = None  # the GPU's own row wins, None included
     assert not experts._dequant_w4(4096, 4, "mxfp4")
+
+
+def test_shipped_dequant_table():
+    """Every row names a 4-bit format of the kernel and a count of rows per expert (or None)."""
     from fusedmoe.experts.thresholds import W4_DEQUANT_FROM
     from fusedmoe.quant.w4_layout import W4_FORMATS
 
-    for (_, fmt), start in W4_DEQUANT_FROM.items():  # the shipped table: formats the kernel names, counts
+    assert W4_DEQUANT_FROM
+    for (_, fmt), start in W4_DEQUANT_FROM.items():
         assert fmt in W4_FORMATS.values() and (start is None or start >= 1)
 
 
