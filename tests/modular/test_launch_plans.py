@@ -21,10 +21,16 @@ from fusedmoe.config import MoEConfig
 from fusedmoe.dispatch.local import LocalDispatcher
 from fusedmoe.experts.cpu import CpuExperts
 from fusedmoe.experts.triton import TritonExperts
+from fusedmoe.kernels._common import interpreting
 from fusedmoe.metadata import TopK
 from fusedmoe.modular.kernel import MoEKernel
 from fusedmoe.quant import QuantScheme
 from fusedmoe.testing import make_problem, random_topk, rel_error, tolerance
+
+# The CPU cases replay through the Triton interpreter: without TRITON_INTERPRET=1 (a GPU machine
+# running the file as is) their CPU tensors meet no interpreter to record, and the gpu-marked
+# cases below are the ones that cover the GPU's binaries.
+on_cpu_replays = pytest.mark.skipif(not interpreting(), reason="CPU launch plans replay through TRITON_INTERPRET=1")
 
 CONFIG = MoEConfig(num_experts=5, top_k=2, hidden_size=64, intermediate_size=32)
 
@@ -74,6 +80,7 @@ def _check_replays(kernel, problem, t, device, monkeypatch, calls: int = 5) -> N
     assert kernel._plans.plans and not kernel._plans.refused, f"no plan: {kernel._plans.refused}"
 
 
+@on_cpu_replays
 @pytest.mark.parametrize("label,scheme,t", CPU_CASES, ids=[c[0] for c in CPU_CASES])
 def test_replay_equals_the_plain_call_and_the_reference(label, scheme, t, monkeypatch):
     scheme = QuantScheme.by_name(scheme)
@@ -81,6 +88,7 @@ def test_replay_equals_the_plain_call_and_the_reference(label, scheme, t, monkey
     _check_replays(_kernel(scheme), problem, t, "cpu", monkeypatch)
 
 
+@on_cpu_replays
 def test_each_shape_has_its_own_plan(monkeypatch):
     scheme = QuantScheme.unquantized()
     problem = make_problem(CONFIG, scheme, 4, seed=2)
@@ -104,6 +112,7 @@ def test_new_weight_tensors_record_a_new_plan(monkeypatch):
     assert not torch.equal(out, kernel(x, topk, first.weights))
 
 
+@on_cpu_replays
 def test_an_unaligned_input_is_another_key(monkeypatch):
     # Triton specialises on 16-byte alignment: a row view one element in is not the aligned plan
     scheme = QuantScheme.unquantized()
@@ -119,6 +128,7 @@ def test_an_unaligned_input_is_another_key(monkeypatch):
     assert len(kernel._plans.plans) == 1 and len(kernel._plans._seen) == 2
 
 
+@on_cpu_replays
 @pytest.mark.parametrize("t", [1, 6])
 def test_transformers_routing_kinds_replay(t, monkeypatch):
     # transformers' routers give int64 ids and router weights in the model dtype: read as given
@@ -136,6 +146,7 @@ def test_transformers_routing_kinds_replay(t, monkeypatch):
     assert len(kernel._plans.plans) == 1 and not kernel._plans.refused, kernel._plans.refused
 
 
+@on_cpu_replays
 def test_a_call_with_host_side_torch_work_is_refused_with_the_op():
     # the CPU backend computes with PyTorch ops: never replayed, and the reason names the op
     scheme = QuantScheme.unquantized()
@@ -148,6 +159,7 @@ def test_a_call_with_host_side_torch_work_is_refused_with_the_op():
     assert "aten." in why and "only allocations, fills, views and launches replay" in why
 
 
+@on_cpu_replays
 def test_plans_off_by_environment(monkeypatch):
     monkeypatch.setenv("FUSEDMOE_LAUNCH_PLANS", "0")
     scheme = QuantScheme.unquantized()
@@ -161,6 +173,7 @@ def test_plans_off_by_environment(monkeypatch):
         kernel(problem.x, TopK(problem.topk_ids, problem.topk_weights), problem.weights)
 
 
+@on_cpu_replays
 def test_shared_experts_are_added_after_a_replay(monkeypatch):
     scheme = QuantScheme.unquantized()
     kernel = MoEKernel(LocalDispatcher(CONFIG, scheme), TritonExperts(CONFIG, scheme), shared_experts=lambda x: 2 * x)
@@ -251,6 +264,7 @@ def test_generated_replay_calls_each_binary_with_the_recorded_arguments(monkeypa
     ]
 
 
+@on_cpu_replays
 def test_inputs_sharing_one_buffer_are_replayed_each_from_its_own_address(monkeypatch):
     # the routing packed in one int32 buffer (ids, then the weights' bits): recorded like that,
     # replayed on separate tensors, each pointer must follow its own input
@@ -272,6 +286,7 @@ def test_inputs_sharing_one_buffer_are_replayed_each_from_its_own_address(monkey
     assert torch.equal(out, _plain(kernel, x, topk, problem.weights, monkeypatch))
 
 
+@on_cpu_replays
 def test_the_router_replays_its_fused_kernel(monkeypatch):
     # fused=True: the routing kernel (the interpreter here); fresh logits each call, the replayed
     # routing equals the plans-off one bit for bit and PyTorch's within rounding
@@ -305,6 +320,7 @@ def _add_kernel(a_ptr, b_ptr, out_ptr, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, a + b, mask=mask)
 
 
+@on_cpu_replays
 def test_a_fill_of_a_buffer_that_lives_on_is_replayed():
     # a preallocated workspace zeroed by the call (as GEMM1's output before a per-tensor dynamic
     # scale): each replay zeroes it again, so a value left there by someone else never shows
