@@ -185,3 +185,30 @@ def test_w4_dequant_variable(monkeypatch):
     monkeypatch.setenv(env.W4_DEQUANT, "always")
     with pytest.raises(FusedMoEError, match="FUSEDMOE_W4_DEQUANT"):
         TritonExperts(config, scheme)
+
+
+def test_the_oracle_explains_the_4bit_rule(monkeypatch):
+    """``select_experts`` notes the per-call rule of 4-bit weights on the Triton experts: the GPU's
+    measured threshold and the path of the given T, or the 4-bit GEMM where none is measured; no
+    note for other schemes."""
+    from dataclasses import replace
+
+    from fusedmoe import env
+    from fusedmoe.oracle import select_experts
+    from fusedmoe.platform import Platform
+
+    config = MoEConfig(8, 2, 4096, 14336, dtype=torch.bfloat16)
+    h200 = replace(Platform.simulated("sm90"), name="NVIDIA H200")
+    notes = select_experts(config, _schemes("mxfp4"), platform=h200, num_tokens=4096).notes
+    assert any("from 512 rows per expert (measured on NVIDIA H200)" in n and "1024 rows" in n and "written out" in n
+               for n in notes), notes  # fmt: skip
+    notes = select_experts(config, _schemes("mxfp4"), platform=h200, num_tokens=1024).notes
+    assert any("256 rows per expert at T = 1024: the 4-bit GEMM" in n for n in notes), notes
+    notes = select_experts(config, _schemes("int4_g128"), platform=Platform.simulated("sm90")).notes
+    assert any("the 4-bit GEMM at every size (no threshold measured for int4" in n for n in notes), notes
+    monkeypatch.setenv(env.W4_DEQUANT, "64")
+    notes = select_experts(config, _schemes("nvfp4_w4a16"), platform=Platform.simulated("sm90"), num_tokens=256).notes
+    assert any("from 64 rows per expert (FUSEDMOE_W4_DEQUANT); 64 rows per expert at T = 256: written out" in n
+               for n in notes), notes  # fmt: skip
+    notes = select_experts(config, QuantScheme.by_name("bf16"), platform=h200, num_tokens=4096).notes
+    assert not any("4-bit" in n for n in notes)

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .. import env
 from ..config import MoEConfig
 from ..platform import Platform
 from ..quant import QuantScheme
@@ -161,3 +162,23 @@ def w4_dequant_from(platform: Platform, w_fmt: str) -> int | None:
     if (platform.name, w_fmt) in W4_DEQUANT_FROM:
         return W4_DEQUANT_FROM[(platform.name, w_fmt)]
     return W4_DEQUANT_FROM.get((platform.arch, w_fmt))
+
+
+def w4_dequant_note(platform: Platform, w_fmt: str, config: MoEConfig, num_tokens: int | None) -> str:
+    """The per-call rule of 4-bit weights on the Triton experts, in words (the oracle's explanation):
+    from which rows per expert they are written out for the bf16 GEMMs on this platform, and which
+    path ``num_tokens`` takes (``experts.triton._dequant_w4`` decides each call; the buffer bound and
+    deterministic mode are checked there)."""
+    forced = env.w4_dequant()
+    start = forced if forced is not None else w4_dequant_from(platform, w_fmt)
+    gpu = platform.name or platform.arch
+    if not start:
+        why = f"{env.W4_DEQUANT}=0" if forced is not None else f"no threshold measured for {w_fmt} on {gpu}"
+        return f"4-bit rule: the 4-bit GEMM at every size ({why})"
+    where = env.W4_DEQUANT if forced is not None else f"measured on {gpu}"
+    rule = f"4-bit rule: {w_fmt} weights written out for the bf16 GEMMs from {start} rows per expert ({where})"
+    if num_tokens is None:
+        return rule
+    per_expert = tokens_per_expert(config, num_tokens)
+    path = "written out" if per_expert >= start else "the 4-bit GEMM"
+    return f"{rule}; {per_expert:g} rows per expert at T = {num_tokens}: {path}"

@@ -31,9 +31,11 @@ from .. import env
 from ..config import MoEConfig
 from ..contract import TokenLayout
 from ..errors import UnsupportedError, expect
-from ..experts.thresholds import grouped_mm_first
+from ..experts.thresholds import grouped_mm_first, w4_dequant_note
+from ..kernels.grouped_gemm_w4 import supports as w4_supports
 from ..platform import Platform, current_platform
 from ..quant import QuantScheme
+from ..quant.w4_layout import W4_FORMATS
 from .padding import padded_sizes
 from .priorities import candidates, explicit_only, family_variant, platform_class
 from .registry import experts_backends
@@ -150,6 +152,10 @@ def _request(backend: str | None, scheme: QuantScheme) -> tuple[str | None, str 
     return None, None
 
 
+# the backends whose 4-bit weights (w4a16) take the per-call written-out rule (``experts.triton``)
+_W4_RULE_BACKENDS = ("triton", "triton_batched", "triton_or_grouped_mm")
+
+
 def _shape_rule(names: list[str], config, scheme, platform, num_tokens) -> tuple[list[str], str | None]:
     if not platform.is_gpu or scheme.family not in _SHAPE_RULE_FAMILIES:
         return names, None
@@ -209,6 +215,8 @@ def select_experts(
             choice.backend, choice.effective_scheme, choice.align = v.name, v.scheme, v.align
     if choice.backend is None:
         raise UnsupportedError("no backend can run this configuration:\n" + choice.explain())
+    if choice.backend in _W4_RULE_BACKENDS and w4_supports(scheme.w1, scheme.a1, config.dtype) is None:
+        choice.notes.append(w4_dequant_note(platform, W4_FORMATS[scheme.w1.dtype], config, num_tokens))
     return choice
 
 
