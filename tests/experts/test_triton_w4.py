@@ -143,6 +143,8 @@ def test_dequant_rule(monkeypatch):
     experts = TritonExperts(config, scheme)
     experts.w4_dequant = 8
     assert experts._dequant_w4(32, 4, "mxfp4") and not experts._dequant_w4(31, 4, "mxfp4")
+    # with an expert map (2 of the 4 experts here) the pairs of all 4 arrive: 31 pairs are under 8 an expert
+    assert experts._dequant_w4(32, 2, "mxfp4") and not experts._dequant_w4(31, 2, "mxfp4")
     assert "w_deq" in experts.workspace(16, 4).shapes and "w_deq" not in experts.workspace(15, 4).shapes
     assert experts.workspace(16, 4).shapes["w_deq"] == ((4 * 512 * 128,), torch.bfloat16)  # max(2I x H, H x I)
     experts.deterministic = True

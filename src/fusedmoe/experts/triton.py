@@ -299,17 +299,20 @@ class _TritonBase(Experts):
         return plan
 
     def _dequant_w4(self, rows: int, e_l: int, w_fmt: str) -> bool:
-        """Whether a call of ``rows`` pairs (or batched rows) over ``e_l`` experts writes its 4-bit
-        weights out in the model dtype and runs the bf16 GEMMs (``kernels.w4_dequant``): from
+        """Whether a call of ``rows`` pairs (or batched rows) over ``e_l`` local experts writes its
+        4-bit weights out in the model dtype and runs the bf16 GEMMs (``kernels.w4_dequant``): from
         ``w4_dequant`` rows per expert, or by default from the measured threshold of the GPU and
         format (``thresholds.w4_dequant_from``); never in deterministic mode (the GEMMs would then
-        depend on the batch size) or where the buffer would pass ``W4_DEQUANT_MAX_BYTES``."""
+        depend on the batch size) or where the buffer would pass ``W4_DEQUANT_MAX_BYTES``. Rows per
+        expert: the pairs over all E experts (standard layout: with an expert map the pairs of
+        every rank's experts arrive, T*K/E of them each), or the batched slab's rows."""
         if self.deterministic or e_l == 0:
             return False
         start = self.w4_dequant
         if start is None:
             start = w4_dequant_from(current_platform(), w_fmt)
-        if not start or rows < start * e_l:
+        experts = e_l if self.layout is TokenLayout.BATCHED else self.config.num_experts
+        if not start or rows < start * experts:
             return False
         return self._dequant_numel(e_l) * self.config.dtype.itemsize <= W4_DEQUANT_MAX_BYTES
 
