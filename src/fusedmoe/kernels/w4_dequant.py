@@ -98,9 +98,8 @@ def _store_cols(
 
 
 def dequantize_w4(w: W4Tensor, dtype: torch.dtype, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The weights of ``w`` ([E, N, K], w4 layout) in ``dtype`` (bf16 or fp16; fp32 under the
-    interpreter as well), into ``out`` when given (contiguous [E, N, K] of that dtype on w's
-    device). One launch (module docstring)."""
+    """The weights of ``w`` ([E, N, K], w4 layout) in ``dtype`` (bf16, fp16 or fp32), into ``out``
+    when given (contiguous [E, N, K] of that dtype on w's device). One launch (module docstring)."""
     expect(is_w4(w), "w", "a weight in the w4 layout (quant.w4_layout.to_w4)", type(w).__name__)
     expect(dtype in _TL_DTYPE, "dtype", f"one of {list(_TL_DTYPE)}", dtype)
     e, n, k = w.shape
