@@ -136,7 +136,8 @@ def grouped_mm_first(
 # weights out in the model dtype once per call (``kernels.w4_dequant``) and run the bf16 GEMMs, whose
 # persistent TMA-fed tiles outrun the 4-bit GEMM's once the FLOPs outweigh one pass over the weights.
 # (GPU name or arch, 4-bit format) -> rows per expert (pairs / local experts) from which it pays; None
-# or absent: never (not measured). Fill from `fusedmoe bench` with FUSEDMOE_W4_DEQUANT=1 against 0.
+# or absent: never (not measured). Fill from `fusedmoe bench` with FUSEDMOE_W4_DEQUANT=1 against 0
+# (`scripts/w4_threshold.py` reads the runs and prints the row; its docstring has the commands).
 #
 # H200, 2026-11-29 (benchmarks/results/layer_h200_w4_dequant_2026-11-29.md), the layer's time with
 # the weights written out over the 4-bit GEMM's, at 128 / 256 / 512 / 1024 rows per expert:
