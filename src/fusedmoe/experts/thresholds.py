@@ -157,9 +157,12 @@ W4_DEQUANT_FROM: dict[tuple[str, str], int | None] = {
 W4_DEQUANT_MAX_BYTES = 4 << 30
 
 
-def w4_dequant_from(platform: Platform, w_fmt: str) -> int | None:
-    """The measured rows per expert from which 4-bit weights in ``w_fmt`` are written out in the
-    model dtype on this platform (its GPU's row, else its architecture's), or None."""
+def w4_dequant_from(platform: Platform, w_fmt: str, forced: int | None = None) -> int | None:
+    """The rows per expert from which 4-bit weights in ``w_fmt`` are written out in the model dtype:
+    ``forced`` where given (``FUSEDMOE_W4_DEQUANT`` / ``experts.w4_dequant``; 0: never), else the
+    measured one of this platform (its GPU's row, else its architecture's), or None."""
+    if forced is not None:
+        return forced
     if (platform.name, w_fmt) in W4_DEQUANT_FROM:
         return W4_DEQUANT_FROM[(platform.name, w_fmt)]
     return W4_DEQUANT_FROM.get((platform.arch, w_fmt))
@@ -171,7 +174,7 @@ def w4_dequant_note(platform: Platform, w_fmt: str, config: MoEConfig, num_token
     path ``num_tokens`` takes (``experts.triton._dequant_w4`` decides each call; the buffer bound and
     deterministic mode are checked there)."""
     forced = env.w4_dequant()
-    start = forced if forced is not None else w4_dequant_from(platform, w_fmt)
+    start = w4_dequant_from(platform, w_fmt, forced)
     gpu = platform.name or platform.arch
     if not start:
         why = f"{env.W4_DEQUANT}=0" if forced is not None else f"no threshold measured for {w_fmt} on {gpu}"

@@ -308,9 +308,7 @@ class _TritonBase(Experts):
         every rank's experts arrive, T*K/E of them each), or the batched slab's rows."""
         if self.deterministic or e_l == 0:
             return False
-        start = self.w4_dequant
-        if start is None:
-            start = w4_dequant_from(current_platform(), w_fmt)
+        start = w4_dequant_from(current_platform(), w_fmt, self.w4_dequant)
         experts = e_l if self.layout is TokenLayout.BATCHED else self.config.num_experts
         if not start or rows < start * experts:
             return False
