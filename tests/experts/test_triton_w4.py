@@ -100,9 +100,9 @@ def _count_dequant(monkeypatch) -> list:
     calls = []
     real = mod.dequantize_w4
 
-    def counted(w, dtype, *, out=None):
+    def counted(w, dtype, **kw):
         calls.append(tuple(w.shape))
-        return real(w, dtype, out=out)
+        return real(w, dtype, **kw)
 
     monkeypatch.setattr(mod, "dequantize_w4", counted)
     return calls
@@ -130,6 +130,37 @@ def test_layer_with_weights_written_out(name, layout, monkeypatch):
     assert calls == [tuple(w4.w13.shape), tuple(w4.w2.shape)]
     assert out.isfinite().all()
     assert rel_error(out, prob.reference()) <= tolerance(scheme, config.dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (the persistent GEMM is GPU-only)")
+def test_nvfp4_written_out_keeps_the_global_scale_in_fp32():
+    """NVFP4 written out at a prefill shape (Qwen3-30B-A3B's H and I, 8 experts, 512 rows each):
+    the bf16 weights without the global scale, which the persistent GEMMs apply to their fp32
+    accumulators; within the tolerance of float64, and no further from it than the 4-bit GEMM
+    on the same problem (folding the scale into each bf16 weight was 1.35x further, PERF_LOG)."""
+    from fusedmoe.kernels.launch import intercept_launches
+
+    config, scheme = MoEConfig(8, 2, 2048, 768, dtype=torch.bfloat16), _schemes("nvfp4_w4a16")
+    prob = make_problem(config, scheme, 2048, seed=5, device="cuda")
+    ref = prob.reference()
+    errs, names = {}, []
+
+    def record(k, grid, args, kwargs):
+        names.append(k.fn.__name__)
+        k[grid](*args, **kwargs)
+
+    for rows in (0, 1):  # never written out, written out from one row per expert
+        experts = TritonExperts(config, scheme)
+        experts.w4_dequant = rows
+        w4 = experts.prepare_weights(prob.weights)
+        kernel = MoEKernel(LocalDispatcher(config, scheme), experts)
+        with intercept_launches(record):
+            out = kernel(prob.x, TopK(prob.topk_ids, prob.topk_weights), w4)
+        errs[rows] = rel_error(out, ref)
+    assert "_persistent_gemm_kernel" in names and "_w4_dequant_kernel" in names
+    assert errs[1] <= tolerance(scheme, config.dtype)
+    assert errs[1] <= 1.1 * errs[0], errs
 
 
 def test_dequant_rule(monkeypatch):

@@ -22,12 +22,12 @@ from fusedmoe.testing import poison_
 pytestmark = needs_triton
 
 
-def _check(w4, tq, dtype, exact: bool) -> None:
+def _check(w4, tq, dtype, exact: bool, global_scale: bool = True) -> None:
     e, n, k = w4.shape
     out = poison_(torch.empty(e, n, k, dtype=dtype, device=w4.data.device))
-    got = dequantize_w4(w4, dtype, out=out)
+    got = dequantize_w4(w4, dtype, out=out, global_scale=global_scale)
     assert got.data_ptr() == out.data_ptr()
-    ref = dequantize_w4_ref(w4, tq, dtype).to(got.device)
+    ref = dequantize_w4_ref(w4, tq, dtype, global_scale).to(got.device)
     assert bool(torch.isfinite(got).all()), "unwritten (NaN) or non-finite values"
     if exact:
         assert torch.equal(got, ref)
@@ -69,6 +69,19 @@ def test_dequantize_w4_real_shape_gpu(scheme):
     for e, n, k in ((4, 2880, 2880 if tq.granularity.group_size <= 64 else 2944), (8, 1536, 2048)):
         w4 = to_w4(_quantized(SCHEMES[scheme], e, n, k, seed=k, device="cuda"), tq)
         _check(w4, tq, torch.bfloat16, exact=scheme == "mxfp4")
+
+
+def test_nvfp4_without_its_global_scale_is_exact():
+    """``global_scale=False``: e2m1 times the e4m3 block scale, exact in bf16 (what the written-out
+    path's GEMMs take, the global scale going to their accumulators); folded, each value is that
+    times the global scale, rounded once. Mutation-checked: folding it anyway fails the first."""
+    tq = SCHEMES["nvfp4"].w1
+    w4 = to_w4(_quantized(SCHEMES["nvfp4"], 2, 30, 96, seed=7), tq).to(DEVICE)
+    _check(w4, tq, torch.bfloat16, exact=True, global_scale=False)
+    bare = dequantize_w4(w4, torch.bfloat16, global_scale=False).double()
+    folded = dequantize_w4(w4, torch.bfloat16).double()
+    gs = w4.global_scale.reshape(-1, 1, 1).double().to(bare.device)
+    assert torch.equal(folded, (bare * gs).to(torch.bfloat16).double())
 
 
 def test_dequantize_w4_bad_input_is_named():

@@ -327,7 +327,10 @@ class _TritonBase(Experts):
         if not plan.dequant:
             return Operand(w, self.scheme.w1 if which == "w13" else self.scheme.w2)
         buf = take(workspace, "w_deq", tuple(w.shape), self.config.dtype, dev)
-        return Operand.of(dequantize_w4(w, self.config.dtype, out=buf))
+        # NVFP4's global scale stays out of the written values (exact in bf16) and goes to the
+        # GEMM's fp32 accumulator, as in the 4-bit GEMM: one rounding fewer a weight
+        data = dequantize_w4(w, self.config.dtype, out=buf, global_scale=False)
+        return Operand.of(QTensor(data, tuple(w.shape), global_scale=w.global_scale))
 
     def _a2_on_load(self, rows: int, lc2: LaunchConfig, by_pair: bool) -> bool:
         """Whether GEMM2 quantizes a2 as it loads it in a call of ``rows`` pairs (module docstring).

@@ -213,11 +213,11 @@ def _store_group_fp8(v, mask, c_ptrs, cs_row_ptr, row_ok, n0, num_groups, stride
 
 @triton.jit
 def _epilogue_piece(
-    acc, acc_u, n0, e, row_ok, c_rows, rw_rows, as_row_ptr, ws_base, bias_ptr, route_w_ptr, c_ptr, c_scale_ptr,
-    N, alpha, limit, num_groups,
+    acc, acc_u, n0, e, row_ok, c_rows, rw_rows, as_row_ptr, ws_base, w_gscale_ptr, bias_ptr, route_w_ptr, c_ptr,
+    c_scale_ptr, N, alpha, limit, num_groups,
     stride_wsn, stride_be, stride_bn, stride_re, stride_rm, stride_ce, stride_cm, stride_cn,
     stride_cse, stride_csm, stride_csg,
-    A_FMT: tl.constexpr, A_GROUP: tl.constexpr, W_FMT: tl.constexpr, W_BK: tl.constexpr,
+    A_FMT: tl.constexpr, A_GROUP: tl.constexpr, W_FMT: tl.constexpr, W_BK: tl.constexpr, HAS_W_GSCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr,
     INTERLEAVED: tl.constexpr, OUT_QUANT: tl.constexpr, OUT_GROUP: tl.constexpr, EXACT_CAST: tl.constexpr,
     PIECE_N: tl.constexpr,
@@ -226,11 +226,11 @@ def _epilogue_piece(
     offs_n = n0 + tl.arange(0, PIECE_N)
     n_ok = offs_n < N
     g_cols, u_cols = _gate_up_cols(offs_n, N, GATED, INTERLEAVED)
-    # the global scales belong to NVFP4 (not served): off, any pointer
+    # an activation global scale belongs to NVFP4 activations (not served): off, any pointer
     acc = _act_epilogue(
-        acc, acc_u, e, g_cols, u_cols, n_ok, row_ok, rw_rows, as_row_ptr, ws_base, c_ptr, c_ptr, bias_ptr, route_w_ptr,
-        alpha, limit, 0, stride_wsn, stride_be, stride_bn, stride_re, stride_rm,
-        A_FMT, A_GROUP, W_FMT, W_BK, False, False, HAS_BIAS, MUL_ROUTED_WEIGHT, ACT, GATED,
+        acc, acc_u, e, g_cols, u_cols, n_ok, row_ok, rw_rows, as_row_ptr, ws_base, w_gscale_ptr, c_ptr, bias_ptr,
+        route_w_ptr, alpha, limit, 0, stride_wsn, stride_be, stride_bn, stride_re, stride_rm,
+        A_FMT, A_GROUP, W_FMT, W_BK, False, HAS_W_GSCALE, HAS_BIAS, MUL_ROUTED_WEIGHT, ACT, GATED,
     )  # fmt: skip
     c_row_ptr = c_ptr + e * stride_ce + c_rows * stride_cm
     c_ptrs = c_row_ptr[:, None] + offs_n[None, :] * stride_cn
@@ -245,7 +245,9 @@ def _epilogue_piece(
 
 @triton.jit
 def _persistent_gemm_kernel(
-    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, route_w_ptr,
+    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr,
+    w_gscale_ptr,  # fp32 [E]: a scale per expert times the accumulator (HAS_W_GSCALE)
+    bias_ptr, route_w_ptr,
     c_ptr,
     c_scale_ptr,  # OUT_QUANT "fp8"/"int8": static scale [1], read; "fp8_group": [rows, G], written; "amax": [1], raised
     sorted_ids_ptr, block_expert_ptr, num_padded_ptr, counts_ptr,
@@ -273,6 +275,7 @@ def _persistent_gemm_kernel(
     W_BN: tl.constexpr,  # 0, 0: one scale per column (tensor/channel); else W_BN x W_BK blocks
     W_BK: tl.constexpr,
     W_UNIFORM: tl.constexpr,  # the accumulator's W rows lie in one W_BN block (``_mac``)
+    HAS_W_GSCALE: tl.constexpr,  # 4-bit weights written out with their NVFP4 global scale left to here
     HAS_BIAS: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
     NATIVE: tl.constexpr,  # w8a8: the stored bytes feed tl.dot
@@ -368,9 +371,9 @@ def _persistent_gemm_kernel(
             x, x_u = _piece(acc, acc_u, p, SUBTILE, HALVES)
             _epilogue_piece(
                 x, x_u, n0 + p * PIECE_N, e, row_ok, c_rows,
-                rw_rows, as_row_ptr, ws_base, bias_ptr, route_w_ptr, c_ptr, c_scale_ptr, N, alpha, limit, num_groups,
-                stride_wsn, stride_be, stride_bn, stride_re, stride_rm, stride_ce, stride_cm, stride_cn,
-                stride_cse, stride_csm, stride_csg,
-                A_FMT, A_GROUP, W_FMT, W_BK, HAS_BIAS, MUL_ROUTED_WEIGHT, ACT, GATED, INTERLEAVED, OUT_QUANT,
-                OUT_GROUP, EXACT_CAST, PIECE_N,
+                rw_rows, as_row_ptr, ws_base, w_gscale_ptr, bias_ptr, route_w_ptr, c_ptr, c_scale_ptr, N, alpha,
+                limit, num_groups, stride_wsn, stride_be, stride_bn, stride_re, stride_rm, stride_ce, stride_cm,
+                stride_cn, stride_cse, stride_csm, stride_csg,
+                A_FMT, A_GROUP, W_FMT, W_BK, HAS_W_GSCALE, HAS_BIAS, MUL_ROUTED_WEIGHT, ACT, GATED, INTERLEAVED,
+                OUT_QUANT, OUT_GROUP, EXACT_CAST, PIECE_N,
             )  # fmt: skip

@@ -8,7 +8,8 @@ says ``persistent`` and ``supports`` has no objection. The kernel is in
 Served (everything else: ``supports`` says why, and the one-program-per-tile kernel runs):
 
     activations   bf16 / fp16;  fp8 e4m3 or int8 with tensor, token or 1 x g group scales
-    weights       bf16 / fp16 (same dtype);  fp8 / int8 with tensor, channel or bn x bk block
+    weights       bf16 / fp16 (same dtype), optionally with an fp32 scale per expert on the
+                  accumulator (written-out NVFP4: ``w.global_scale``);  fp8 / int8 with tensor, channel or bn x bk block
                   scales (w8a8 natively: the stored bytes in tl.dot); fp8 / int8 under bf16 /
                   fp16 activations with tensor or channel scales
     epilogue      bias, any ``ActEpilogue`` activation, router weight; C in the model dtype,
@@ -236,6 +237,8 @@ def persistent_gemm_launch(
     why = supports(fmt, act, a=a, w=w, c=c, cfg=cfg, routing=routing)
     expect(why is None, "persistent grouped GEMM", "a call it serves", why)
     expect(a_global_scale is None, "a_global_scale", "None (NVFP4 is not served)", "a tensor")
+    # a scale per expert on the accumulator: written-out NVFP4 weights (``kernels.w4_dequant``)
+    wg = w.global_scale.reshape(-1).float().contiguous() if w.global_scale is not None else None
     e_l, n_w, kd = w.shape
     n = n_w if act is None else act.out_cols(n_w)
     rows = RowBlocks.of(a, e_l, cfg.block_m, routing)
@@ -276,7 +279,7 @@ def persistent_gemm_launch(
         _persistent_gemm_kernel,
         grid,
         a if a_sorted else _u8(a),  # descriptors typed (kernel docstring), pointer loads uint8
-        *optional_ptrs(dummy, a_scale, w.data, w.scale, bias, route_weights, c_arg, c_scale),
+        *optional_ptrs(dummy, a_scale, w.data, w.scale, wg, bias, route_weights, c_arg, c_scale),
         *optional_ptrs(dummy, *routing_ptrs, counts if batched else None),
         n,
         n_w,
@@ -301,6 +304,7 @@ def persistent_gemm_launch(
         *cs_str,
         A_SORTED=a_sorted,
         C_SORTED=c_sorted,
+        HAS_W_GSCALE=wg is not None,
         DOT_DTYPE=_dot_dtype(fmt, a),
         OUT_GROUP=max(out_group, 1),
         SUBTILE=cfg.epilogue_subtile,

@@ -10,15 +10,20 @@ at ~610 (PERF_LOG, fourteenth session). One pass that writes the weights out in 
 
 Each value is the one the 4-bit GEMM's W operand holds (the same unpack, ``_w4_operands`` and
 ``_w4_unpack``): e2m1 times an e8m0 or e4m3 scale is exact in bf16; an int4 weight (c - zero)
-times its scale and an NVFP4 weight times its fp32 global scale take one rounding to the model
-dtype, where the 4-bit GEMM keeps the scale's product in fp32 (the global scale is applied to
-its accumulator). Act-order weights (their columns sorted by group in the w4 layout) are
-written back to the checkpoint's column order through ``perm``; K's padding is dropped.
+times its scale takes one rounding to the model dtype, where the 4-bit GEMM keeps the scale's
+product in fp32. NVFP4's fp32 global scale is folded in (one more rounding) or, with
+``global_scale=False``, left out, so the values stay exact and a GEMM applies it to its fp32
+accumulator as the 4-bit GEMM does (``experts.triton`` does, so the written-out path's NVFP4
+errors are the 4-bit GEMM's: PERF_LOG, fifteenth session). Act-order weights (their columns
+sorted by group in the w4 layout) are written back to the checkpoint's column order through
+``perm``; K's padding is dropped.
 
 ``dequantize_w4_ref`` is the same from the reference layout in float64, rounded once.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import triton
@@ -97,9 +102,12 @@ def _store_cols(
     tl.store(out_rows + col[None, :] * stride_ok, w, mask=n_ok[:, None] & (pos < KD)[None, :])
 
 
-def dequantize_w4(w: W4Tensor, dtype: torch.dtype, *, out: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize_w4(
+    w: W4Tensor, dtype: torch.dtype, *, out: torch.Tensor | None = None, global_scale: bool = True
+) -> torch.Tensor:
     """The weights of ``w`` ([E, N, K], w4 layout) in ``dtype`` (bf16, fp16 or fp32), into ``out``
-    when given (contiguous [E, N, K] of that dtype on w's device). One launch (module docstring)."""
+    when given (contiguous [E, N, K] of that dtype on w's device), times NVFP4's global scale
+    unless ``global_scale`` is False. One launch (module docstring)."""
     expect(is_w4(w), "w", "a weight in the w4 layout (quant.w4_layout.to_w4)", type(w).__name__)
     expect(dtype in _TL_DTYPE, "dtype", f"one of {list(_TL_DTYPE)}", dtype)
     e, n, k = w.shape
@@ -112,7 +120,8 @@ def dequantize_w4(w: W4Tensor, dtype: torch.dtype, *, out: torch.Tensor | None =
     )  # fmt: skip
     if out.numel() == 0:
         return out
-    wg = w.global_scale.reshape(-1).float().contiguous() if w.global_scale is not None else None
+    has_gs = w.global_scale is not None and global_scale
+    wg = w.global_scale.reshape(-1).float().contiguous() if has_gs else None
     n_gs = None if wg is None else wg.numel()
     expect(wg is None or n_gs == e, "w.global_scale", f"one value per expert ({e})", n_gs)
     cfg = _CONFIG
@@ -131,7 +140,10 @@ def dequantize_w4(w: W4Tensor, dtype: torch.dtype, *, out: torch.Tensor | None =
     return out
 
 
-def dequantize_w4_ref(w: W4Tensor, tq: TensorQuant, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_w4_ref(w: W4Tensor, tq: TensorQuant, dtype: torch.dtype, global_scale: bool = True) -> torch.Tensor:
     """``dequantize_w4``'s values from the reference layout (``from_w4``): float64, rounded once to
     ``dtype``."""
-    return dequantize(from_w4(w), tq, torch.float64).to(dtype)
+    q = from_w4(w)
+    if not global_scale and q.global_scale is not None:
+        q = replace(q, global_scale=torch.ones_like(q.global_scale))
+    return dequantize(q, tq, torch.float64).to(dtype)
