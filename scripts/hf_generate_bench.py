@@ -15,8 +15,11 @@ prompt at batch 1 and 32, through four variants:
     patch       fusedmoe.integrations.transformers.patch(model)  (routing in fusedmoe too)
 
 Per (model, batch, variant), after one warm-up ``generate`` of a few tokens: the prefill time
-is one ``generate`` of 1 new token; a decode step is (t(N new tokens) - t(1)) / (N - 1) with
-N = 128. Reported: prefill tokens/s (batch x prompt / prefill), decode tokens/s (batch / step),
+is the median of ``--repeats`` (5) ``generate`` calls of 1 new token; a decode step is
+(t(N new tokens) - t(1)) / (N - 1) with N = 128, t(N) the median of ``--decode-repeats`` (3)
+calls. Batch 1 is host-bound and the host may be shared: single timings of one prefill
+differed by ~2x between two scripts on the same H200 (2026-11-29), so one call is not a
+measurement. Reported: prefill tokens/s (batch x prompt / prefill), decode tokens/s (batch / step),
 the decode and prefill speedups over grouped_mm, and the share of the N generated tokens equal
 to grouped_mm's (random weights in bf16: near ties may flip a few; a broken variant is near 0).
 A variant that fails is recorded with its error and the others go on. The markdown table is
@@ -30,6 +33,7 @@ import gc
 import json
 import pathlib
 import platform
+import statistics
 import time
 import traceback
 
@@ -118,8 +122,9 @@ def measure(model, batch: int, args, device: str) -> dict:
     g = torch.Generator().manual_seed(batch)
     ids = torch.randint(2, model.config.vocab_size, (batch, args.prompt), generator=g).to(device)
     timed_generate(model, ids, min(4, args.new_tokens), device)  # warm-up: kernels compiled, caches made
-    t1, _ = timed_generate(model, ids, 1, device)
-    tn, tokens = timed_generate(model, ids, args.new_tokens, device)
+    t1 = statistics.median(timed_generate(model, ids, 1, device)[0] for _ in range(args.repeats))
+    runs = [timed_generate(model, ids, args.new_tokens, device) for _ in range(args.decode_repeats)]
+    tn, tokens = statistics.median(r[0] for r in runs), runs[0][1]
     step = (tn - t1) / (args.new_tokens - 1)
     return {
         "prefill_s": t1,
@@ -234,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", nargs="+", type=int, default=[1, 32])
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=5, help="prefill timings per cell (median)")
+    p.add_argument("--decode-repeats", type=int, default=3, help="timings of the N-token generate per cell (median)")
     p.add_argument("--backend", default="auto", help="fusedmoe backend (auto: the oracle's choice)")
     p.add_argument("--selftest", action="store_true", help="tiny models on the CPU: checks the script, not speed")
     args = p.parse_args(argv)
