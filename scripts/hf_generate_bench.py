@@ -245,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--selftest", action="store_true", help="tiny models on the CPU: checks the script, not speed")
     args = p.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else argv
+    if args.repeats < 1 or args.decode_repeats < 1 or args.new_tokens < 2:
+        p.error("--repeats and --decode-repeats must be at least 1, --new-tokens at least 2 (a decode step)")
     if args.selftest:
         device, dtype, table = "cpu", torch.float32, TINY
         args.prompt, args.new_tokens, args.batch = min(args.prompt, 16), min(args.new_tokens, 6), [1, 2]
