@@ -1,7 +1,7 @@
 """Compile the persistent grouped GEMM, the 4-bit weight GEMM and the decode launches for sm_90 on a
 machine without a GPU.
 
-    PYTHONPATH=src python3 tests/kernels/sm90_compile.py [--json]
+    PYTHONPATH=src python3 tests/kernels/sm90_compile.py [--json] [--loops [LABEL ...]]
 
 Every launch ``persistent_gemm_launch`` makes is compiled, not run: Triton's own binder turns
 the arguments into the signature and specialisation a GPU launch would compile (CPU tensors
@@ -9,6 +9,11 @@ carry the same dtypes, and fresh allocations the same 16-byte alignment), then t
 pipeline runs for sm_90 down to a cubin (ptxas ships with Triton), and the cubin's resource
 usage and SASS say what the GPU would run: registers, spilled bytes, shared memory, warps,
 and counts of wgmma (``[HQI]GMMA``), TMA loads (``UTMALDG``) and cp.async (``LDGSTS``).
+
+``--loops``: per case (those whose label contains one of the LABELs, or all), the instruction
+mix of the kernel's longest loop (``loop_mix``: the SASS between a backward branch and its
+target, usually the K loop): its length and the count of each opcode, as the fifteenth
+session's PERF_LOG entries read them (16-bit against 64-bit shared loads, byte permutes, ...).
 
 The interpreter cannot show any of this (``TRITON_INTERPRET`` must be unset: CI sets it before
 Python starts, so ``test_kernels_gemm_persistent.py`` runs this file in a subprocess). The
@@ -118,6 +123,7 @@ class _Compiler:
             "paired_16bit": len(re.findall(r"\bH(?:FMA2|MUL2|ADD2)\b", sass)),
             "hmma": len(re.findall(r"HMMA", sass)),
             "wgmma_serialised": self.serialised(compiled.asm["ptx"]),
+            "loop": loop_mix(sass),
             # launched with programmatic dependent launch, and waiting for the kernel before it
             "pdl": bool(getattr(compiled.metadata, "launch_pdl", False))
             and "griddepcontrol.wait" in compiled.asm["ptx"],
@@ -196,6 +202,37 @@ def _operands(case: Case):
 
 
 _COMPILER: dict = {}
+
+
+_SASS_LINE = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+_BRANCH = re.compile(r"\bBRA\b.*?0x([0-9a-f]+)")
+
+
+def sass_loops(sass: str) -> list[list[str]]:
+    """The loops of a ``cuobjdump -sass`` listing: for each branch to an earlier address, the
+    instructions from its target to it (predicates dropped: "@P0 LDS.U16 R1, [R2]" is "LDS.U16 R1, [R2]")."""
+    code = [(int(m.group(1), 16), m.group(2)) for m in map(_SASS_LINE.match, sass.splitlines()) if m]
+    loops = []
+    for addr, ins in code:
+        b = _BRANCH.search(ins)
+        if b and int(b.group(1), 16) < addr:
+            start = int(b.group(1), 16)
+            loops.append([re.sub(r"^@!?U?P\w+\s+", "", i) for a, i in code if start <= a <= addr])
+    return loops
+
+
+def loop_mix(sass: str) -> dict:
+    """{"length": instructions, "ops": {opcode: count}} of the longest loop (``sass_loops``), or
+    length 0 without a loop."""
+    loops = sass_loops(sass)
+    if not loops:
+        return {"length": 0, "ops": {}}
+    body = max(loops, key=len)
+    ops: dict[str, int] = {}
+    for ins in body:
+        op = ins.split()[0]
+        ops[op] = ops.get(op, 0) + 1
+    return {"length": len(body), "ops": dict(sorted(ops.items(), key=lambda kv: -kv[1]))}
 
 
 def _compiled(launches) -> dict:
@@ -434,12 +471,21 @@ def main(argv: list[str]) -> int:
     out, failed = [], 0
     todo = [(c, compile_case, problems) for c in CASES] + [(c, compile_w4_case, w4_problems) for c in W4_CASES]
     todo += [(c, compile_decode_case, decode_problems) for c in DECODE_CASES]
+    loops = argv[argv.index("--loops") + 1 :] if "--loops" in argv else None
+    if loops is not None:
+        todo = [t for t in todo if not loops or any(w in t[0].label for w in loops)]
     for case, compile_, problems_ in todo:
         res = compile_(case)
         bad = problems_(case, res)
         failed += bool(bad)
         out.append({"case": case.label, **res, "problems": bad})
-        if "--json" not in argv:
+        if "--json" in argv:
+            continue
+        mix = res.pop("loop", {"length": 0, "ops": {}})
+        if loops is not None:
+            ops = " ".join(f"{k}={v}" for k, v in list(mix["ops"].items())[:16])
+            print(f"{case.label}: regs {res.get('regs')}, loop {mix['length']} | {ops}", flush=True)
+        else:
             shown = {k: v for k, v in res.items() if k not in ("ok", "error")}
             print(f"{case.label:34s} {'FAIL ' + '; '.join(bad) if bad else 'ok'} {shown}", flush=True)
     if "--json" in argv:
