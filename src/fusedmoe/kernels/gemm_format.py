@@ -281,6 +281,12 @@ def _u8(t: torch.Tensor | None) -> torch.Tensor | None:
     return t
 
 
+def per_expert_scale(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A global scale (NVFP4's, [E, 1, 1] or one value) as the kernels read it: fp32 [E] contiguous
+    (a view where it already is one: no copy launch), or None."""
+    return None if t is None else t.reshape(-1).float().contiguous()
+
+
 def optional_ptrs(dummy: torch.Tensor, *tensors: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
     """Pointer arguments of a launch: an absent operand (None) passes ``dummy`` instead, which
     the kernel never reads (its constexpr says the operand is absent)."""

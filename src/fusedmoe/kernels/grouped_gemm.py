@@ -65,6 +65,7 @@ from .gemm_format import (
     on_load_why,
     optional_ptrs,
     out_quant,
+    per_expert_scale,
     scheme_key,
     shared_constexprs,
 )
@@ -108,7 +109,7 @@ def grouped_gemm_launch(
     c_arg = _u8(c)  # fp8 codes are stored as bytes
     dummy = c_arg
     a_scale = _u8(a_scale)
-    ag = a_global_scale.reshape(-1).float().contiguous() if a_global_scale is not None else None
+    ag = per_expert_scale(a_global_scale)
     w_scale = _u8(w.scale)
     ws_str = _strides(w_scale, 3)
     if w.zero is not None:
@@ -118,7 +119,7 @@ def grouped_gemm_launch(
             "the scale's shape and strides",
             tuple(w.zero.shape),
         )
-    wg = w.global_scale.reshape(-1).float().contiguous() if w.global_scale is not None else None
+    wg = per_expert_scale(w.global_scale)
     g_idx = w.g_idx if fmt.act_order else None
     route_weights, rw_str = rows.route_weights(route_weights)
     oq = out_quant(act)

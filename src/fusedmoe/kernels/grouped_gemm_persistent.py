@@ -57,6 +57,7 @@ from .gemm_format import (
     epilogue_scale,
     optional_ptrs,
     out_quant,
+    per_expert_scale,
     shared_constexprs,
 )
 from .launch import ensure_allocator, launch
@@ -238,7 +239,7 @@ def persistent_gemm_launch(
     expect(why is None, "persistent grouped GEMM", "a call it serves", why)
     expect(a_global_scale is None, "a_global_scale", "None (NVFP4 is not served)", "a tensor")
     # a scale per expert on the accumulator: written-out NVFP4 weights (``kernels.w4_dequant``)
-    wg = w.global_scale.reshape(-1).float().contiguous() if w.global_scale is not None else None
+    wg = per_expert_scale(w.global_scale)
     e_l, n_w, kd = w.shape
     n = n_w if act is None else act.out_cols(n_w)
     rows = RowBlocks.of(a, e_l, cfg.block_m, routing)

@@ -42,7 +42,16 @@ from ..quant import Operand, TensorQuant
 from ..quant.w4_layout import W4_DTYPES, W4Tensor, convertible, is_w4
 from ._common import cdiv, interpreting, next_power_of_2
 from ._grouped_gemm_w4 import _w4_gemm_kernel, _w4_permute_a_kernel, _w4_reduce_kernel
-from .gemm_format import _TL_DTYPE, GemmCall, GemmFormat, _strides, _u8, epilogue_scale, out_quant
+from .gemm_format import (
+    _TL_DTYPE,
+    GemmCall,
+    GemmFormat,
+    _strides,
+    _u8,
+    epilogue_scale,
+    out_quant,
+    per_expert_scale,
+)
 from .launch import launch
 from .launch_config import LaunchConfig, pick_launch_config
 
@@ -224,7 +233,7 @@ def w4_gemm_launch(
     rw, rw_str = _route_weights(route_weights, rows.batched)
     rw_in_gemm = rw is not None and (p is None or act is None)
     t_str = ((target.stride(0),) if p is not None else (0,)) + _row_strides(target, rows.batched)
-    wg = w.global_scale.reshape(-1).float().contiguous() if w.global_scale is not None else None
+    wg = per_expert_scale(w.global_scale)
     dummy = target
     grid = (rows.num_m_blocks * cdiv(n if p is None else n_w, cfg.block_n), cfg.split_k)
     cat = dot_cat(cfg, w)

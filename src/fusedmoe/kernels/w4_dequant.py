@@ -35,7 +35,7 @@ from ..quant.w4_layout import W4Tensor, from_w4, is_w4
 from ._common import cdiv, pdl_wait
 from ._grouped_gemm_w4 import _cat_k, _w4_tiles
 from ._w4_operands import _w4_step_scales
-from .gemm_format import _TL_DTYPE, _strides, _u8
+from .gemm_format import _TL_DTYPE, _strides, _u8, per_expert_scale
 from .grouped_gemm_w4 import ptx_16bit_unpack
 from .launch import launch
 
@@ -120,8 +120,7 @@ def dequantize_w4(
     )  # fmt: skip
     if out.numel() == 0:
         return out
-    has_gs = w.global_scale is not None and global_scale
-    wg = w.global_scale.reshape(-1).float().contiguous() if has_gs else None
+    wg = per_expert_scale(w.global_scale) if global_scale else None
     n_gs = None if wg is None else wg.numel()
     expect(wg is None or n_gs == e, "w.global_scale", f"one value per expert ({e})", n_gs)
     cfg = _CONFIG
