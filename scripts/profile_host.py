@@ -1,13 +1,14 @@
 """Where the host time of an eager MoE call goes: per-call microseconds and a profile.
 
     python scripts/profile_host.py [--preset qwen3-30b-a3b] [--scheme bf16] [--tokens 1] [--calls 1000]
+                                   [--profile fused_moe|route_kernel|kernel] [--sort cumulative|tottime]
                                    [--stub] [--out DIR]
 
 For each of ``fused_moe(x, logits, ...)`` (the functional entry) and ``kernel(x, topk, weights)``
 (a built ``MoEKernel``, as the layer calls it) it prints the host time per call: enqueue only (no
 synchronisation between calls) and, on a GPU, the wall time with a synchronisation after each
-call; then the top of a cProfile of ``--calls`` calls (cumulative time), which says which Python
-frames cost what.
+call; then the top of a cProfile of ``--calls`` calls of one of them (``--profile``; ``--sort``
+cumulative or own time), which says which Python frames cost what.
 
 ``--stub`` (a CPU machine): every Triton launch returns at once (launches are replaced by a no-op
 under ``TRITON_INTERPRET=1``), so the numbers are fusedmoe's own Python around the launches, not
@@ -26,6 +27,9 @@ import sys
 import time
 
 import torch
+
+# --profile: the name of each call in the table
+_PROFILED = {"fused_moe": "fused_moe(x, logits)", "route_kernel": "route + MoEKernel", "kernel": "MoEKernel(x, topk)"}
 
 
 def _stub_launches() -> None:
@@ -78,6 +82,8 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--stub", action="store_true")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--profile", choices=list(_PROFILED), default="fused_moe", help="the call cProfile watches")
+    ap.add_argument("--sort", choices=["cumulative", "tottime"], default="cumulative")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.stub:
@@ -119,18 +125,19 @@ def main(argv=None) -> int:
             lines.append(f"| {name}{'' if plans == '1' else ' (plans off)'} | {enq:.1f} | {wall:.1f} |")
     os.environ["FUSEDMOE_LAUNCH_PLANS"] = "1"
     prof = cProfile.Profile()
-    fn = calls["fused_moe(x, logits)"]
+    fn = calls[_PROFILED[args.profile]]
     prof.enable()
     for _ in range(args.calls):
         fn()
     prof.disable()
     buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(args.top)
+    pstats.Stats(prof, stream=buf).sort_stats(args.sort).print_stats(args.top)
     text = "\n".join(lines) + "\n\n```\n" + buf.getvalue() + "```\n"
     print(text)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"host_{preset}_{args.scheme}_T{args.tokens}.md"), "w") as f:
+        name = f"host_{preset}_{args.scheme}_T{args.tokens}_{args.profile}.md"
+        with open(os.path.join(args.out, name), "w") as f:
             f.write(text)
     return 0
 

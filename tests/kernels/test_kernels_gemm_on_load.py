@@ -52,6 +52,10 @@ CASES = [
     ("fp8 tensor, FMA BM 4, aligned, slots", "fp8_tensor", 4, "aligned", "slots", 2),
     ("fp8 groups, dot, aligned", "fp8_block", 16, "aligned", None, 2),
     ("fp8 groups, FMA BM 1, pair blocks", "fp8_block", 1, "pairs", None, 2),
+    # pair blocks on the dot path: a BM 16 tile of one real row; A read per token as GEMM1 reads x
+    ("fp8 groups, dot, pair blocks", "fp8_block", 16, "pairs", None, 2),
+    ("fp8 tensor, dot, pair blocks, a row per token (a_div = K)", "fp8_tensor", 16, "pairs", "slots", 1),
+    ("int8 groups, dot, pair blocks, a row per token (a_div = K)", "int8_w8a8_block", 16, "pairs", None, 1),
     ("fp8 groups, dot, a row per token (a_div = K)", "fp8_block", 16, "aligned", None, 1),
     ("int8 tensor, dot, aligned, slots", "int8_w8a8_tensor", 16, "aligned", "slots", 2),
     ("int8 groups, FMA BM 2, aligned", "int8_w8a8_block", 2, "aligned", None, 2),
