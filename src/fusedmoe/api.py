@@ -74,25 +74,46 @@ def fused_moe(
     if not (isinstance(config, MoEConfig) and isinstance(scheme, QuantScheme)):  # before they key a kernel
         expect(isinstance(config, MoEConfig), "config", "a MoEConfig", type(config))
         expect(False, "scheme", "a QuantScheme (or None: unquantized)", type(scheme))
+    if isinstance(routing, torch.Tensor) and not torch.compiler.is_compiling():
+        if router is None or isinstance(router, RouterConfig):  # (any other router is refused by the checks)
+            kernel = _kernel_of(config, scheme, backend, dispatcher, chunk_size, platform, expert_map)
+            weights = kernel.prepared(weights)
+            rtr = router or _default_router(config.num_experts + config.identity_experts, config.top_k)
+
+            def plain() -> torch.Tensor:
+                topk = _as_topk(routing, x, config, router, correction_bias)
+                return _run(kernel, x, topk, weights, config, scheme, expert_map)
+
+            # the routing launch and the experts' launches as one launch plan (``MoEKernel.route_and_run``)
+            return kernel.route_and_run(x, routing, rtr, correction_bias, weights, plain, expert_map=expert_map)
     topk = _as_topk(routing, x, config, router, correction_bias)
     if torch.compiler.is_compiling():
         # the kernel is chosen and built while tracing; the graph records its name
         name = _kernel_name(config, scheme, backend, dispatcher, chunk_size, platform, expert_map is not None)
         validate_call(x, topk.ids, topk.weights, weights, config, scheme, expert_map)
         return call_moe_forward(name, x, topk, weights, expert_map)
-    # The same config and scheme objects call after call (a model's layer): found by identity,
-    # without hashing the dataclasses (~10 us for a quantized scheme); the environment still counts.
+    kernel = _kernel_of(config, scheme, backend, dispatcher, chunk_size, platform, expert_map)
+    return _run(kernel, x, topk, kernel.prepared(weights), config, scheme, expert_map)
+
+
+def _kernel_of(config, scheme, backend, dispatcher, chunk_size, platform, expert_map) -> MoEKernel:
+    """``cached_kernel`` of a call's arguments. The same config and scheme objects call after call
+    (a model's layer): found by identity, without hashing the dataclasses (~10 us for a quantized
+    scheme); the environment still counts."""
     ident = (id(config), id(scheme), backend, dispatcher, chunk_size, id(platform), expert_map is not None)
     hit = _BY_IDENTITY.get(ident)
     knobs = env.choice_key()
     if hit is not None and hit[0] is config and hit[1] is scheme and hit[2] is platform and hit[3] == knobs:
-        kernel = hit[4]
-    else:
-        kernel = cached_kernel(config, scheme, backend, dispatcher, chunk_size, platform, expert_map is not None)
-        if len(_BY_IDENTITY) >= KERNEL_CACHE_SIZE:
-            _BY_IDENTITY.clear()
-        _BY_IDENTITY[ident] = (config, scheme, platform, knobs, kernel)
-    weights = kernel.prepared(weights)
+        return hit[4]
+    kernel = cached_kernel(config, scheme, backend, dispatcher, chunk_size, platform, expert_map is not None)
+    if len(_BY_IDENTITY) >= KERNEL_CACHE_SIZE:
+        _BY_IDENTITY.clear()
+    _BY_IDENTITY[ident] = (config, scheme, platform, knobs, kernel)
+    return kernel
+
+
+def _run(kernel: MoEKernel, x, topk: TopK, weights: ExpertWeights, config, scheme, expert_map) -> torch.Tensor:
+    """The routed call (``weights`` prepared): the kernel's launch plan, or checked and run."""
     out = kernel.replay(x, topk, weights, expert_map=expert_map)  # a plan: these inputs' kind was checked
     if out is not None:
         return out

@@ -47,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -581,19 +582,29 @@ class FusedMoE(torch.nn.Module):
             tuple(router_logits.shape),
         )
         expect(x.dtype == c.dtype, "hidden_states", f"dtype {c.dtype} (MoEConfig.dtype)", x.dtype)
-        topk = self.router.route(logits, self.e_score_correction_bias)
         # expert_weights is built from the parameters on each access: take it once per forward
         weights = self.expert_weights
         x = x.contiguous()
+        if self._pad[0]:
+            out = self._routed(x, logits, weights)[:, : c.hidden_size]
+        else:  # the routing launch and the experts' in one launch plan (``MoEKernel.route_and_run``)
+            bias = self.e_score_correction_bias
+            plain = partial(self._routed, x, logits, weights)
+            out = self.kernel.route_and_run(x, logits, self.router, bias, weights, plain, expert_map=self.expert_map)
+        return out.reshape(shape)
+
+    def _routed(self, x: torch.Tensor, logits: torch.Tensor, weights) -> torch.Tensor:
+        """x [T, H] routed from ``logits`` and run: the kernel's launch plan, or checked and run
+        (padded to the kernel's H where it needs it)."""
+        c = self.config
+        topk = self.router.route(logits, self.e_score_correction_bias)
         out = None if self._pad[0] else self.kernel.replay(x, topk, weights, expert_map=self.expert_map)
         if out is None:  # no launch plan for inputs of this kind yet (``modular.replay``): check them
             validate_call(x, topk.ids, topk.weights, weights, c, self.scheme, self.expert_map, weights_checked=True)
             if self._pad[0]:
                 x = F.pad(x, (0, self._pad[0]))
             out = self.kernel(x, topk, weights, expert_map=self.expert_map)
-        if self._pad[0]:
-            out = out[:, : c.hidden_size]
-        return out.reshape(shape)
+        return out
 
     def extra_repr(self) -> str:
         backend = self.choice.backend if self.choice else "not chosen yet"

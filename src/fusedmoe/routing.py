@@ -220,6 +220,7 @@ class RouterConfig:
         *,
         check_values: bool = False,
         fused: bool | None = None,
+        replay: bool = True,
     ) -> TopK:
         """router_logits [T, E] (any float dtype) -> TopK; correction_bias [E] or None.
 
@@ -227,8 +228,9 @@ class RouterConfig:
         module docstring). ``FUSEDMOE_CHECK_VALUES=1`` turns it on too.
         fused: True runs the fused kernel (an error names what it cannot do), False the
         PyTorch reference, None picks as the module docstring says.
+        replay: False: the routing kernel launched outside this router's plans (``MoEKernel.route_and_run``).
         """
-        if fused is not False:  # logits of a kind seen before: the fused kernel's launch plan
+        if fused is not False and replay:  # logits of a kind seen before: the fused kernel's launch plan
             replayed = _replayed(self, router_logits, correction_bias)
             if replayed is not None:
                 return replayed
@@ -258,7 +260,7 @@ class RouterConfig:
         if self._use_fused(logits, fused):
             from .kernels.route import fused_route
 
-            if torch.compiler.is_compiling():
+            if torch.compiler.is_compiling() or not replay:
                 return fused_route(logits, self, correction_bias)
             ids, weights = _plans_of(self).call(
                 _plan_key(logits, correction_bias),

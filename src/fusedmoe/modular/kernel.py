@@ -225,23 +225,71 @@ class MoEKernel:
         recorded launches depend on besides addresses: the kinds of x, the routing and the expert
         map (shape, strides, dtype, 16-byte alignment), x's device, and the identity and address
         of every weight tensor."""
-        t = x.shape[0]
-        if self._plans is None or t == 0 or self.config.identity_experts or (self.chunk_size and t > self.chunk_size):
-            return None
-        if not (x.is_cuda or interpreting()):  # no kernel launches on the CPU: nothing to replay
+        if not self._plannable(x):
             return None
         ids, tw = topk.ids, topk.weights
-        wts = weight_tensors(weights)
-        key = (
-            x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() & 15,
-            ids.shape, ids.stride(), ids.dtype, ids.data_ptr() & 15,
-            tw.shape, tw.stride(), tw.dtype, tw.data_ptr() & 15,
-            None if expert_map is None else (expert_map.shape, expert_map.stride(), expert_map.dtype,
-                                             expert_map.data_ptr() & 15),
-            weights.layout,
-            *[None if w is None else (id(w), w.data_ptr()) for w in wts],
-        )  # fmt: skip
+        kinds, wts = self._kinds(x, weights, expert_map)
+        key = (*kinds, ids.shape, ids.stride(), ids.dtype, ids.get_device(), ids.data_ptr() & 15,
+               tw.shape, tw.stride(), tw.dtype, tw.get_device(), tw.data_ptr() & 15)  # fmt: skip
         return key, (x, ids, tw, expert_map, *wts)
+
+    def _plannable(self, x: torch.Tensor) -> bool:
+        """Whether a launch plan may serve a call on ``x``: one GPU (or the interpreter), tokens,
+        one chunk, no identity experts."""
+        t = x.shape[0]
+        if self._plans is None or t == 0 or self.config.identity_experts or (self.chunk_size and t > self.chunk_size):
+            return False
+        # no kernel launches on the CPU but the interpreter's, none at all on "meta": nothing to replay
+        return x.is_cuda or (x.is_cpu and interpreting())
+
+    @staticmethod
+    def _kinds(x: torch.Tensor, weights: ExpertWeights, expert_map) -> tuple[tuple, list]:
+        """(the key's part for x, the expert map and the weights; the weight tensors). Devices are
+        in it (a tensor on another device has other addresses), and the weights' own addresses."""
+        wts = weight_tensors(weights)
+        emap = None
+        if expert_map is not None:
+            m = expert_map
+            emap = (m.shape, m.stride(), m.dtype, m.get_device(), m.data_ptr() & 15)
+        kinds = (x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() & 15, emap, weights.layout,
+                 *[None if w is None else (id(w), w.data_ptr()) for w in wts])  # fmt: skip
+        return kinds, wts
+
+    def route_and_run(
+        self,
+        x: torch.Tensor,
+        logits: torch.Tensor,
+        router,
+        correction_bias: torch.Tensor | None,
+        weights: ExpertWeights,
+        plain: Callable[[], torch.Tensor],
+        *,
+        expert_map: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x routed from ``logits`` by ``router`` (a ``RouterConfig``) and run through the experts,
+        the routing launch and the experts' launches in one launch plan: one key, one set of
+        checks, one scratch buffer (the routing's ids and weights live in it) where routing and
+        experts each replaying their own plan cost two of each: ~15-25 us less host time per
+        eager call (H200 host, Qwen3-30B-A3B T = 1, 0.77-0.87x of the two plans' time). ``plain()``:
+        the caller's own path (routing, checks, the call), run where no plan serves and in a
+        key's first call; the second records. The key holds the router by value and the
+        correction bias by identity, with the kinds ``_plan`` keys on."""
+        if self.shared_experts is not None or env.check_values() or torch.compiler.is_compiling():
+            return plain()
+        try:
+            if not self._plannable(x):
+                return plain()
+            kinds, wts = self._kinds(x, weights, expert_map)
+            b = None if correction_bias is None else (id(correction_bias), correction_bias.data_ptr())
+            key = ("logits", router, *kinds, logits.shape, logits.stride(), logits.dtype, logits.get_device(),
+                   logits.data_ptr() & 15, b)  # fmt: skip
+        except (AttributeError, TypeError, IndexError):  # not the kinds of inputs a plan is made for
+            return plain()
+
+        def fn() -> torch.Tensor:
+            return self._routed(x, router.route(logits, correction_bias, replay=False), weights, expert_map)
+
+        return self._plans.call(key, fn, (x, logits, correction_bias, expert_map, *wts), plain=plain)
 
     def replay(
         self,

@@ -376,20 +376,31 @@ class LaunchPlans:
             return None
         return plan.replay(inputs)
 
-    def call(self, key: tuple, fn: Callable[[], torch.Tensor], inputs: Sequence[torch.Tensor | None]):
+    def call(
+        self,
+        key: tuple,
+        fn: Callable[[], torch.Tensor],
+        inputs: Sequence[torch.Tensor | None],
+        plain: Callable[[], torch.Tensor] | None = None,
+    ):
+        """``fn()``, or its plan's replay (class docstring). ``plain``: what runs in its place in
+        the calls that neither record nor replay (the first with a key, a refused key, plans
+        off), where it computes what ``fn`` does by other means (its own checks, other plans)."""
         plan = self.plans.get(key)
+        plain = plain or fn
         if not plannable():
-            return fn()
+            return plain()
         if plan is not None:
             self.plans.move_to_end(key)
             return plan.replay(inputs)
         if key in self.refused:
-            return fn()
+            return plain()
         if key not in self._seen:
+            result = plain()  # seen once it has run: a call that raised (bad input) is not recorded next
             if len(self._seen) > 8 * self.capacity:
                 self._seen.clear()
             self._seen.add(key)
-            return fn()
+            return result
         result, got = record(fn, inputs)
         if isinstance(got, LaunchPlan):
             self.plans[key] = got
