@@ -223,8 +223,8 @@ class MoEKernel:
     def _plan(self, x: torch.Tensor, topk: TopK, weights: ExpertWeights, expert_map) -> tuple | None:
         """(key, inputs) of a call that a launch plan may serve, or None. The key holds what the
         recorded launches depend on besides addresses: the kinds of x, the routing and the expert
-        map (shape, strides, dtype, 16-byte alignment), x's device, and the identity and address
-        of every weight tensor."""
+        map (shape, strides, dtype, device, 16-byte alignment) and the identity and address of
+        every weight tensor."""
         if not self._plannable(x):
             return None
         ids, tw = topk.ids, topk.weights
