@@ -65,7 +65,7 @@ import torch
 from . import env
 from .errors import expect
 from .metadata import TopK, int32_ids
-from .modular.replay import LaunchPlans
+from .modular.replay import LaunchPlans, logits_plan_key
 
 __all__ = ["SCORINGS", "RouterConfig", "route"]
 
@@ -263,7 +263,7 @@ class RouterConfig:
             if torch.compiler.is_compiling() or not replay:
                 return fused_route(logits, self, correction_bias)
             ids, weights = _plans_of(self).call(
-                _plan_key(logits, correction_bias),
+                logits_plan_key(logits, correction_bias),
                 lambda: tuple(vars(fused_route(logits, self, correction_bias)).values()),
                 (logits, correction_bias),
             )
@@ -410,18 +410,11 @@ def _replayed(router: RouterConfig, logits, bias) -> TopK | None:
     if plans is None or not plans.plans or torch.compiler.is_compiling():  # traced, not replayed
         return None
     try:
-        key = _plan_key(logits, bias)
+        key = logits_plan_key(logits, bias)
     except (AttributeError, TypeError):  # not tensors: the checks name the argument
         return None
     out = plans.replay(key, (logits, bias))
     return None if out is None else TopK(*out)
-
-
-def _plan_key(logits: torch.Tensor, bias: torch.Tensor | None) -> tuple:
-    """What a routing launch depends on besides addresses: the logits' kind (shape, strides, dtype,
-    device, 16-byte alignment) and which bias tensor."""
-    b = None if bias is None else (id(bias), bias.data_ptr())
-    return (logits.shape, logits.stride(), logits.dtype, logits.get_device(), logits.data_ptr() & 15, b)
 
 
 @torch.compiler.assume_constant_result

@@ -51,7 +51,7 @@ from ..metadata import TopK
 from ..quant import FORMATS
 from ..weights import ExpertWeights
 from .ops import call_moe_forward, register_kernel, weight_tensors
-from .replay import LaunchPlans
+from .replay import LaunchPlans, logits_plan_key
 
 DEFAULT_CHUNK_SIZE = 16384
 
@@ -280,9 +280,7 @@ class MoEKernel:
             if not self._plannable(x):
                 return plain()
             kinds, wts = self._kinds(x, weights, expert_map)
-            b = None if correction_bias is None else (id(correction_bias), correction_bias.data_ptr())
-            key = ("logits", router, *kinds, logits.shape, logits.stride(), logits.dtype, logits.get_device(),
-                   logits.data_ptr() & 15, b)  # fmt: skip
+            key = ("logits", router, *kinds, *logits_plan_key(logits, correction_bias))
         except (AttributeError, TypeError, IndexError):  # not the kinds of inputs a plan is made for
             return plain()
 

@@ -356,6 +356,14 @@ def record(fn: Callable, inputs: Sequence[torch.Tensor | None]):
         return result, str(e)
 
 
+def logits_plan_key(logits: torch.Tensor, bias: torch.Tensor | None) -> tuple:
+    """What a routing launch depends on besides addresses: the logits' kind (shape, strides, dtype,
+    device, 16-byte alignment) and which bias tensor (the router's plans, and ``MoEKernel``'s
+    joint plans of routing and experts)."""
+    b = None if bias is None else (id(bias), bias.data_ptr())
+    return (logits.shape, logits.stride(), logits.dtype, logits.get_device(), logits.data_ptr() & 15, b)
+
+
 class LaunchPlans:
     """Plans by key, at most ``capacity`` of them (least recently used dropped first).
 
