@@ -19,8 +19,9 @@ Per row, all in float32 registers, one pass over the logits in HBM:
 A selection round is one max reduction over int64 keys (``_keys``): the value's float
 order in the high 32 bits, E_MAX - id in the low ones, so the maximum names the largest
 value and, among equal values, the lowest id. Three dependent reductions a round (the
-max, the lowest column holding it, the sum picking its score) took 3.5 us of a
-Qwen3-30B-A3B T = 1 routing launch on an H200 (top-8 of 128). Without a bias the weight
+max, the lowest column holding it, the sum picking its score) made the launch 3.6 us at
+Qwen3-30B-A3B T = 1 on an H200 (top-8 of 128), 4.9 us at DeepSeek-V3; the keys 2.9 and
+3.3 us (``results/layer_h200_route_keys_2026-11-29.md``). Without a bias the weight
 is the chosen value itself, read back from the key; with one, the K unbiased scores are
 recomputed after the rounds from the K logits read again (the same fp32 operations on
 the same values: the same bits). Taken and padding columns hold ``_NO_KEY``, below every
