@@ -221,6 +221,7 @@ class RouterConfig:
         check_values: bool = False,
         fused: bool | None = None,
         replay: bool = True,
+        quantize=None,
     ) -> TopK:
         """router_logits [T, E] (any float dtype) -> TopK; correction_bias [E] or None.
 
@@ -229,7 +230,10 @@ class RouterConfig:
         fused: True runs the fused kernel (an error names what it cannot do), False the
         PyTorch reference, None picks as the module docstring says.
         replay: False: the routing kernel launched outside this router's plans (``MoEKernel.route_and_run``).
+        quantize: with ``replay=False``, a one-pass quantization of the layer's input
+        (``kernels.act_quant.ActQuantLaunch``) to run too: in the fused routing launch, or on its own.
         """
+        expect(quantize is None or not replay, "quantize", "given with replay=False only")
         if fused is not False and replay:  # logits of a kind seen before: the fused kernel's launch plan
             replayed = _replayed(self, router_logits, correction_bias)
             if replayed is not None:
@@ -248,26 +252,20 @@ class RouterConfig:
             tuple(logits.shape),
         )
         if correction_bias is not None:
-            expect(self.custom_fn is None, "correction_bias", "None with a custom_fn")
-            expect(
-                isinstance(correction_bias, torch.Tensor)
-                and tuple(correction_bias.shape) == (self.num_experts,)
-                and correction_bias.is_floating_point(),
-                "correction_bias",
-                f"a floating tensor of shape ({self.num_experts},)",
-                getattr(correction_bias, "shape", type(correction_bias)),
-            )
+            self._check_bias(correction_bias)
         if self._use_fused(logits, fused):
             from .kernels.route import fused_route
 
             if torch.compiler.is_compiling() or not replay:
-                return fused_route(logits, self, correction_bias)
+                return fused_route(logits, self, correction_bias, quantize=quantize)
             ids, weights = _plans_of(self).call(
                 logits_plan_key(logits, correction_bias),
                 lambda: tuple(vars(fused_route(logits, self, correction_bias)).values()),
                 (logits, correction_bias),
             )
             return TopK(ids, weights)
+        if quantize is not None:  # routed in PyTorch: the quantization takes its own launch
+            quantize.launch()
         if self.custom_fn is not None:
             return self._route_custom(logits, env.check_values(check_values))
 
@@ -293,6 +291,17 @@ class RouterConfig:
         if self.routed_scaling_factor != 1.0:
             weights = weights * self.routed_scaling_factor
         return TopK(ids=ids.to(torch.int32).contiguous(), weights=weights.contiguous())
+
+    def _check_bias(self, correction_bias) -> None:
+        expect(self.custom_fn is None, "correction_bias", "None with a custom_fn")
+        expect(
+            isinstance(correction_bias, torch.Tensor)
+            and tuple(correction_bias.shape) == (self.num_experts,)
+            and correction_bias.is_floating_point(),
+            "correction_bias",
+            f"a floating tensor of shape ({self.num_experts},)",
+            getattr(correction_bias, "shape", type(correction_bias)),
+        )
 
     def _use_fused(self, logits: torch.Tensor, fused: bool | None) -> bool:
         expect(fused is None or isinstance(fused, bool), "fused", "None, True or False", fused)

@@ -384,6 +384,32 @@ def test_quantize_exact_real_shapes(name, m, k):
     _run_quant(name, m, k, seed=m)
 
 
+# Rows whose dynamic scale is not a normal float: tiny rows (a subnormal scale, whose reciprocal
+# overflows) and a row holding inf (an infinite scale); the tile's quotients then take div_rn.
+_EDGE_QUANTS = ["fp8_tensor", "fp8_token", "fp8_group128", "int8_tensor", "int8_token", "int8_group64"]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 6, 512], ids=lambda m: f"{m}-rows")
+@pytest.mark.parametrize("edge", ["tiny", "inf"])
+@pytest.mark.parametrize("name", _EDGE_QUANTS)
+def test_quantize_scales_that_are_not_normal_floats(name, edge, m):
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 2048, generator=g) * 3
+    if edge == "tiny":
+        x[m // 2] *= 1e-40  # the row's (and a one-row tensor's) scale is subnormal
+        if m > 1:
+            x[0] *= 1e-30
+    else:
+        x[m // 2, 700] = float("inf")
+    x = x.to(torch.bfloat16).to("cuda")
+    tq = QUANTS[name]
+    ref = quantize_activations_ref(x, tq)
+    got = quantize_activations(x, tq, out=_poisoned_like(ref))
+    _assert_same_bytes(got, ref)
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("row", [0, 300, 511])

@@ -18,7 +18,10 @@ import torch
 from fusedmoe import FusedMoEError, fused_moe
 from fusedmoe.api import cached_kernel
 from fusedmoe.config import MoEConfig
+from fusedmoe.dispatch import base as dispatch_base
+from fusedmoe.dispatch.local import LocalDispatcher
 from fusedmoe.kernels._common import interpreting
+from fusedmoe.kernels.act_quant import quantize_activations
 from fusedmoe.layer import FusedMoE
 from fusedmoe.modular.replay import LaunchPlans
 from fusedmoe.quant import QuantScheme
@@ -36,6 +39,8 @@ CPU_CASES = [
     ("bf16, T 5, sigmoid with a correction bias", "bf16", 5, "bias"),
     ("int4 g32, T 3", "int4_g32", 3, "softmax"),
     ("mxfp4, T 2, sigmoid with a correction bias", "mxfp4", 2, "bias"),
+    ("fp8 per tensor, T 1: x quantized in the routing launch", "fp8_tensor", 1, "softmax"),
+    ("int8 per token, T 3, sigmoid with a correction bias", "int8_w8a8_channel", 3, "bias"),
 ]
 
 
@@ -103,6 +108,29 @@ def test_fused_moe_from_logits_replays_one_plan(label, scheme, t, router, fused_
     (plan,) = [kernel._plans.plans[k] for k in _logits_plans(kernel)]
     launched = [s for s in plan.steps if s[0] == "launch"]
     assert len(launched) >= 3, "the routing launch and the experts' launches in one plan"
+
+
+def _launches(plan) -> int:
+    return sum(s[0] == "launch" for s in plan.steps)
+
+
+@on_cpu_replays
+@pytest.mark.parametrize("scheme,t", [("fp8_tensor", 1), ("int8_w8a8_channel", 3)])
+def test_x_is_quantized_in_the_routing_launch(scheme, t, fused_routing, monkeypatch):
+    """The joint plan makes one launch fewer than the same call with x quantized by a launch of
+    its own (the dispatcher's kernel, which on the CPU it takes only when told to)."""
+    scheme = QuantScheme.by_name(scheme)
+    problem = make_problem(CONFIG, scheme, t, seed=6)
+    kernel = _fresh_kernel(scheme)
+    _check(problem, None, None, 3, "cpu", monkeypatch)
+    (fused,) = [kernel._plans.plans[k] for k in _logits_plans(kernel)]
+    with monkeypatch.context() as m:
+        m.setattr(LocalDispatcher, "input_quantization", lambda self, x, weights: None)
+        m.setattr(dispatch_base, "quantize", lambda x, tq, **kw: quantize_activations(x, tq, **kw))
+        kernel._plans.clear()
+        _check(problem, None, None, 3, "cpu", monkeypatch)
+        (separate,) = [kernel._plans.plans[k] for k in _logits_plans(kernel)]
+    assert _launches(separate) == _launches(fused) + 1, (_launches(separate), _launches(fused))
 
 
 @on_cpu_replays

@@ -68,6 +68,12 @@ class Dispatcher:
     ) -> Dispatched:
         raise NotImplementedError
 
+    def input_quantization(self, x: torch.Tensor, weights: ExpertWeights):
+        """x's quantization as a launch not yet made (``kernels.act_quant.ActQuantLaunch``) that can
+        run with the routing launch, the result to pass to ``dispatch(quantized=...)``; or None, where
+        this dispatcher quantizes x itself in ``dispatch`` (the default: it may need the routing)."""
+        return None
+
     def writes_output(self, reduce: WeightedReduce) -> bool:
         """True when the experts' output is already the layer's output (nothing to move or reduce):
         ``MoEKernel`` then hands the experts the output itself and skips ``combine``."""

@@ -16,6 +16,7 @@ import torch
 
 from ..contract import Dispatched, TokenLayout, WeightedReduce, Workspace, quantized_layout, take
 from ..errors import FusedMoEError, expect
+from ..kernels._common import interpreting
 from ..metadata import TopK, local_expert_ids
 from ..quant import QTensor
 from .base import Dispatcher
@@ -33,9 +34,24 @@ class LocalDispatcher(Dispatcher):
     layout = TokenLayout.STANDARD
     note = "one rank: quantize only"
 
-    def dispatch(self, x, topk, weights, *, expert_map=None, a1_scale=None) -> Dispatched:
-        a = self.quantize_input(x, topk, weights, a1_scale)
+    def dispatch(self, x, topk, weights, *, expert_map=None, a1_scale=None, quantized=None) -> Dispatched:
+        """``quantized``: x as ``input_quantization``'s launch made it (not made again here)."""
+        a = self.quantize_input(x, topk, weights, a1_scale) if quantized is None else quantized
         return Dispatched(a=a, topk=topk, counts=None, num_tokens=x.shape[0])
+
+    def input_quantization(self, x, weights):
+        """One pass over x on a GPU (or the interpreter) that needs no routing: not with the router
+        weight applied on the input, nor a per-tensor dynamic scale of more than one tile
+        (``act_quant.plan_act_quant``: an abs-max pass first); x's scheme unquantized: nothing."""
+        tq = self.scheme.a1
+        if tq is None or self.config.apply_router_weight_on_input or not (x.is_cuda or interpreting()):
+            return None
+        from ..kernels.act_quant import one_pass, plan_act_quant
+
+        static = weights.act_scales("a1", tq)
+        if x.dim() != 2 or not one_pass(x.shape[0], x.shape[1], tq, static.get("scale")):
+            return None  # decided before plan_act_quant allocates (a declined plan's buffers would be recorded)
+        return plan_act_quant(x, tq, **static)
 
     def writes_output(self, reduce):
         # one rank, experts that weight and sum: their [T, H] output is the answer. Without this

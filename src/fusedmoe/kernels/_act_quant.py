@@ -5,7 +5,9 @@ One kernel, ``_act_quant_kernel``; a program owns BM rows and BK output columns
 are computed in fp32 from the input and quantized exactly as ``fusedmoe.quant``
 does: the same fp32 operations in the same order, IEEE division (``div_rn``; a
 plain ``/`` is approximate on NVIDIA GPUs: 30% of 1M random fp32 quotients came out
-1 ulp off on an H200), round half to even.
+1 ulp off on an H200), round half to even. A dynamic scale's quotients are taken by the
+scale's reciprocal with one fma correction where every scale of the tile is a normal float
+(``_common.quant_linear_dyn``: the same IEEE quotient in a fifth of the instructions).
 
 Per-tensor dynamic scales take two launches over the same grid (CUDA-graph safe:
 a memset, two kernels, no host sync): PASS 1 folds each tile's amax into one fp32
@@ -35,7 +37,7 @@ import triton.language as tl
 
 # The element-wise activation and fp8/int8 encoding live in _common (GEMM1's fused epilogue
 # applies the same math); the underscored names are kept for this file's callers.
-from ._common import FP8_MAX, INT8_MAX, apply_act, pdl_wait
+from ._common import FP8_MAX, INT8_MAX, apply_act, normal_scales, pdl_wait, quant_linear_dyn
 from ._common import e4m3_bits as _e4m3_bits
 from ._common import quant_linear as _quant_linear
 
@@ -128,11 +130,30 @@ def _tensor_dyn_one(
     s = _scale_of(amax.to(tl.float32, bitcast=True), QUANT)
     tl.store(s_ptr, s)
     q_row = q_ptr + rows[:, None].to(tl.int64) * stride_qm
-    tl.store(q_row + cols[None, :], _quant_linear(v, s, QUANT, EXACT_CAST), mask=mask)
+    tl.store(q_row + cols[None, :], quant_linear_dyn(v, s, normal_scales(s), QUANT, EXACT_CAST), mask=mask)
 
 
 @triton.jit
 def _act_quant_kernel(
+    x_ptr, q_ptr, s_ptr, gs_ptr, amax_ptr, rmask_ptr, M, I, stride_xm, stride_qm, stride_sm, n_amax, alpha, limit,
+    ACT: tl.constexpr, INTERLEAVED: tl.constexpr, QUANT: tl.constexpr, SCALE: tl.constexpr, GROUP: tl.constexpr,
+    ROW_MASK: tl.constexpr, PASS: tl.constexpr, EXACT_CAST: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels.launch sets it)
+):  # fmt: skip
+    """Program (m, k) of the grid is ``act_quant_tile(m, k, ...)``."""
+    pdl_wait(PDL)
+    act_quant_tile(
+        tl.program_id(0), tl.program_id(1), x_ptr, q_ptr, s_ptr, gs_ptr, amax_ptr, rmask_ptr, M, I, stride_xm,
+        stride_qm, stride_sm, n_amax, alpha, limit, ACT, INTERLEAVED, QUANT, SCALE, GROUP, ROW_MASK, PASS, EXACT_CAST,
+        BLOCK_M, BLOCK_K,
+    )  # fmt: skip
+
+
+@triton.jit
+def act_quant_tile(
+    pid_m,  # the tile: rows pid_m * BLOCK_M + [0, BLOCK_M), output columns pid_k * BLOCK_K + [0, BLOCK_K)
+    pid_k,
     x_ptr,  # [M, I] input (or [M, 2I] gate/up)
     q_ptr,  # [M, I] output: model dtype, fp8 bytes, int8; nvfp4 packed [M, I/2]
     s_ptr,  # scales: [1] tensor, [M, 1] token, [M, G] group (fp32, e8m0 or e4m3 bytes)
@@ -157,19 +178,17 @@ def _act_quant_kernel(
     EXACT_CAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,  # programmatic dependent launch (kernels.launch sets it)
 ):
-    # 109 lines: one Triton kernel; each format is a constexpr branch the compiler specialises away, the per-format
+    """One program of ``_act_quant_kernel`` (module docstring); also the x-quantization programs of the
+    routing launch (``_route.py``'s ``_route_quant_kernel``)."""
+    # 107 lines: one Triton program; each format is a constexpr branch the compiler specialises away, the per-format
     # math is in @triton.jit helpers.
-    pdl_wait(PDL)
     if PASS == 0:
         _tensor_dyn_one(
             x_ptr, q_ptr, s_ptr, rmask_ptr, M, I, stride_xm, stride_qm, alpha, limit,
             ACT, INTERLEAVED, QUANT, ROW_MASK, EXACT_CAST, BLOCK_M, BLOCK_K,
         )  # fmt: skip
     else:  # (a static if: what follows a return in its branch would still be compiled)
-        pid_m = tl.program_id(0)
-        pid_k = tl.program_id(1)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < M
         if ROW_MASK:
@@ -188,7 +207,9 @@ def _act_quant_kernel(
             for k0 in range(0, I, BLOCK_K):
                 v, cols, mask = _activation(x_ptr, rows, row_ok, k0, stride_xm, I, alpha, limit, ACT, INTERLEAVED,
                                             BLOCK_K)  # fmt: skip
-                tl.store(q_row + cols[None, :], _quant_linear(v, s[:, None], QUANT, EXACT_CAST), mask=mask)
+                fast = tl.min(normal_scales(s), axis=0)
+                q = quant_linear_dyn(v, s[:, None], fast, QUANT, EXACT_CAST)
+                tl.store(q_row + cols[None, :], q, mask=mask)
         else:
             v, cols, mask = _activation(x_ptr, rows, row_ok, pid_k * BLOCK_K, stride_xm, I, alpha, limit, ACT,
                                         INTERLEAVED, BLOCK_K)  # fmt: skip
@@ -207,7 +228,11 @@ def _act_quant_kernel(
                     s = _scale_of(bits.to(tl.float32, bitcast=True), QUANT)
                     if (pid_m == 0) & (pid_k == 0):
                         tl.store(s_ptr, s)
-                tl.store(q_row + cols[None, :], _quant_linear(v, s, QUANT, EXACT_CAST), mask=mask)
+                if SCALE == "tensor_static":  # a given scale: v / s may overflow, so IEEE division
+                    q = _quant_linear(v, s, QUANT, EXACT_CAST)
+                else:
+                    q = quant_linear_dyn(v, s, normal_scales(s), QUANT, EXACT_CAST)
+                tl.store(q_row + cols[None, :], q, mask=mask)
             else:
                 # 1 x GROUP groups; BLOCK_K is a multiple of GROUP, so a tile holds whole groups.
                 NG: tl.constexpr = BLOCK_K // GROUP
@@ -219,7 +244,9 @@ def _act_quant_kernel(
                 if QUANT == "fp8" or QUANT == "int8":
                     s = _scale_of(amax, QUANT)
                     tl.store(s_ptrs, s, mask=s_mask)
-                    q = tl.reshape(_quant_linear(v3, s[:, :, None], QUANT, EXACT_CAST), [BLOCK_M, BLOCK_K])
+                    fast = tl.min(tl.min(normal_scales(s), axis=1), axis=0)
+                    q = quant_linear_dyn(v3, s[:, :, None], fast, QUANT, EXACT_CAST)
+                    q = tl.reshape(q, [BLOCK_M, BLOCK_K])
                     tl.store(q_row + cols[None, :], q, mask=mask)
                 elif QUANT == "mxfp8":
                     # e8m0 code of 2^(floor(log2 amax) - 8); floor(log2) is amax's exponent field

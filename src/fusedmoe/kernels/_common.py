@@ -99,6 +99,7 @@ def row_col_tile(num_rows, num_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexp
 
 FP8_MAX: tl.constexpr = tl.constexpr(448.0)
 INT8_MAX: tl.constexpr = tl.constexpr(127.0)
+F32_NORMAL_MIN: tl.constexpr = tl.constexpr(1.1754943508222875e-38)  # 2^-126
 
 
 @triton.jit
@@ -194,6 +195,32 @@ def quotient_rcp(v, s, r, EXACT_CAST: tl.constexpr):
         return tl.math.div_rn(v, s)
     q0 = v * r
     return tl.fma(tl.fma(-q0, s, v), r, q0)
+
+
+@triton.jit
+def normal_scales(s):
+    """int32 1 where scale ``s`` is a normal finite float (its reciprocal is then finite), else 0:
+    ``quant_linear_dyn``'s ``fast`` is the minimum over a tile's scales."""
+    return ((s >= F32_NORMAL_MIN) & (s < float("inf"))).to(tl.int32)
+
+
+@triton.jit
+def quant_linear_dyn(v, s, fast, QUANT: tl.constexpr, EXACT_CAST: tl.constexpr):
+    """``quant_linear``'s codes for a dynamic scale (|v / s| <= qmax up to the scale's rounding: no
+    overflow, and a quotient below the normal range is a zero code either way). Where ``fast``
+    (every scale of the tile normal and finite, ``normal_scales``) the quotient is by the scale's
+    reciprocal with one fma correction (``quotient_rcp``: the IEEE quotient, ~4 instructions an
+    element where ``div_rn`` takes ~20 and a slow-path branch; act_quant's programs spent most of
+    their time there); otherwise ``div_rn``, which also gives v / inf and v / NaN as IEEE does."""
+    if fast:
+        y = quotient_rcp(v, s, tl.math.div_rn(tl.zeros_like(s) + 1.0, s), EXACT_CAST)
+        # a quotient that rounds to zero is a zero code of v's sign (as v / s gives it); the fma
+        # correction of a subnormal v can return +0 for it (H200: fp8 codes of tiny negative
+        # values came out 0x00 where the reference has 0x80)
+        y = tl.where(y == 0.0, v * 0.0, y)
+    else:
+        y = tl.math.div_rn(v, s)
+    return linear_codes(y, QUANT, EXACT_CAST)
 
 
 @triton.jit

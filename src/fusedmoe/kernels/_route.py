@@ -34,6 +34,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._act_quant import act_quant_tile
 from ._common import pdl_wait
 
 # larger than any column index (E <= 1024) or group index: a key's low half is _NONE - index
@@ -75,6 +76,56 @@ def _key_value(key):
 
 @triton.jit
 def _route_kernel(
+    logits_ptr, bias_ptr, ids_ptr, weights_ptr, T, E, G, S, K, TG, stride_t, stride_e, scaling,
+    SCORING: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr,
+    GROUP_TOP2: tl.constexpr, ROWS: tl.constexpr, GP: tl.constexpr, SP: tl.constexpr, KP: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels.launch sets it)
+):  # fmt: skip
+    """Program p routes rows p * ROWS + [0, ROWS) (``_route_rows``)."""
+    pdl_wait(PDL)
+    _route_rows(
+        tl.program_id(0), logits_ptr, bias_ptr, ids_ptr, weights_ptr, T, E, G, S, K, TG, stride_t, stride_e, scaling,
+        SCORING, RENORMALIZE, HAS_BIAS, GROUPED, GROUP_TOP2, ROWS, GP, SP, KP,
+    )  # fmt: skip
+
+
+@triton.jit
+def _route_quant_kernel(
+    logits_ptr, bias_ptr, ids_ptr, weights_ptr, T, E, G, S, K, TG, stride_t, stride_e, scaling,
+    n_route,  # the routing programs, first; the others quantize x
+    q_cols,  # x's quantization grid is (programs / q_cols, q_cols)
+    x_ptr, q_ptr, s_ptr, gs_ptr, amax_ptr, rmask_ptr, M, I, stride_xm, stride_qm, stride_sm, n_amax, alpha, limit,
+    SCORING: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr,
+    GROUP_TOP2: tl.constexpr, ROWS: tl.constexpr, GP: tl.constexpr, SP: tl.constexpr, KP: tl.constexpr,
+    ACT: tl.constexpr, INTERLEAVED: tl.constexpr, QUANT: tl.constexpr, SCALE: tl.constexpr, GROUP: tl.constexpr,
+    ROW_MASK: tl.constexpr, PASS: tl.constexpr, EXACT_CAST: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    """The routing launch with x's quantization beside it: programs [0, n_route) route
+    (``_route_rows``), the rest are the programs of x's one-pass ``_act_quant_kernel`` launch
+    (``act_quant_tile``; ``route.route_launch(quantize=...)``). The two need nothing of each other,
+    so x's codes come at no cost to the routing's latency, and the launch (~1.7 us of kernel and
+    its gap at Qwen3-30B-A3B T = 1 on an H200) that made them before GEMM1 is gone."""
+    pdl_wait(PDL)
+    pid = tl.program_id(0)
+    if pid < n_route:
+        _route_rows(
+            pid, logits_ptr, bias_ptr, ids_ptr, weights_ptr, T, E, G, S, K, TG, stride_t, stride_e, scaling,
+            SCORING, RENORMALIZE, HAS_BIAS, GROUPED, GROUP_TOP2, ROWS, GP, SP, KP,
+        )  # fmt: skip
+    else:
+        q = pid - n_route
+        act_quant_tile(
+            q // q_cols, q % q_cols, x_ptr, q_ptr, s_ptr, gs_ptr, amax_ptr, rmask_ptr, M, I, stride_xm, stride_qm,
+            stride_sm, n_amax, alpha, limit, ACT, INTERLEAVED, QUANT, SCALE, GROUP, ROW_MASK, PASS, EXACT_CAST,
+            BLOCK_M, BLOCK_K,
+        )  # fmt: skip
+
+
+@triton.jit
+def _route_rows(
+    pid,  # routes rows pid * ROWS + [0, ROWS)
     logits_ptr,  # [T, E] float (fp32/fp16/bf16), strides stride_t, stride_e
     bias_ptr,  # float [E] (fp32/fp16/bf16); any pointer when not HAS_BIAS
     ids_ptr,  # int32 [T, K] out, contiguous
@@ -97,12 +148,10 @@ def _route_kernel(
     GP: tl.constexpr,  # next power of 2 >= G
     SP: tl.constexpr,  # next power of 2 >= S
     KP: tl.constexpr,  # next power of 2 >= K
-    PDL: tl.constexpr,  # programmatic dependent launch (kernels.launch sets it)
 ):
-    # 105 lines: one Triton kernel: each scoring and grouped top-k variant is a constexpr branch over the same row in
-    # registers.
-    pdl_wait(PDL)
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    # 103 lines: one routing program: each scoring and grouped top-k variant is a constexpr branch over the same row
+    # in registers.
+    rows = pid * ROWS + tl.arange(0, ROWS)
     row_ok = rows < T
     g = tl.arange(0, GP)
     s = tl.arange(0, SP)

@@ -17,7 +17,7 @@ model dtype (2 bytes per element each way) and one launch. The references are
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -51,15 +51,26 @@ def _one_program_tile(m: int, cols: int) -> tuple[int, int] | None:
 
 
 def _tiles(scale_kind: str, group: int, m: int) -> tuple[int, int]:
-    """(BM, BK). Memory-bound: a GPU program moves 8 x 256 values (4 KiB of bf16 in);
-    the interpreter pays ~5 ms per program, so it takes whole tiny problems at once."""
+    """(BM, BK). Memory-bound: a GPU program moves 8 x 256 values (4 KiB of bf16 in), or
+    with fewer rows (decode: x at T = 1) a row of 512, not a tile of padding rows; the
+    interpreter pays ~5 ms per program, so it takes whole tiny problems at once."""
     if interpreting():
         bm, bk = 32, 128
     else:
         bm, bk = (4, 512) if scale_kind == "token" else (8, 256)
+        rows = next_power_of_2(max(m, 1))
+        if rows < bm:
+            bm, bk = rows, 512
     if group:
         bk = max(bk, group)
     return bm, bk
+
+
+def one_pass(rows: int, cols: int, tq: TensorQuant | None, scale: torch.Tensor | None = None) -> bool:
+    """Whether quantizing [rows, cols] as ``tq`` takes at most one launch (``plan_act_quant``'s
+    passes), known before anything is allocated: all but a per-tensor dynamic scale of more than
+    one tile (``_one_program_tile``)."""
+    return _kind(tq, scale)[1] != "tensor_dyn" or _one_program_tile(rows, cols) is not None
 
 
 def _kind(tq: TensorQuant | None, scale: torch.Tensor | None) -> tuple[str, str, int]:
@@ -84,7 +95,36 @@ def _kind(tq: TensorQuant | None, scale: torch.Tensor | None) -> tuple[str, str,
     return quant, "group", gs
 
 
-def act_quant_launch(
+@dataclass(frozen=True)
+class ActQuantLaunch:
+    """What ``act_quant_launch`` launches, worked out and allocated but not launched: the grid, the
+    kernel's arguments and constexprs, the passes (``PASS``: (0,) one program, (1, 2) abs-max then
+    codes, (2,) codes; () nothing to launch) and the result the launches fill. ``launch()`` runs them;
+    the routing launch can run a one-pass one beside its own programs (``route.route_launch``)."""
+
+    grid: tuple[int, int]
+    args: tuple
+    meta: dict
+    passes: tuple[int, ...]
+    result: QTensor | torch.Tensor
+
+    def launch(self) -> QTensor | torch.Tensor:
+        for p in self.passes:
+            launch(_act_quant_kernel, self.grid, *self.args, PASS=p, **self.meta)
+        return self.result
+
+    def warps_for(self, values_per_thread: int) -> int:
+        """The fewest warps (a power of 2) that hold a program's tile at ``values_per_thread``."""
+        values = self.meta["BLOCK_M"] * self.meta["BLOCK_K"]
+        return next_power_of_2(max(1, cdiv(values, 32 * values_per_thread)))
+
+
+def act_quant_launch(*args, **kwargs) -> QTensor | torch.Tensor:
+    """``plan_act_quant(...).launch()``: quantize (see ``plan_act_quant`` for the arguments)."""
+    return plan_act_quant(*args, **kwargs).launch()
+
+
+def plan_act_quant(
     x: torch.Tensor,
     tq: TensorQuant | None,
     *,
@@ -98,10 +138,11 @@ def act_quant_launch(
     out: QTensor | torch.Tensor | None = None,
     row_mask: torch.Tensor | None = None,
     amax: torch.Tensor | None = None,
-) -> QTensor | torch.Tensor:
-    """Launch ``_act_quant_kernel`` (twice for per-tensor dynamic scales, or once, one program,
-    where one tile holds the tensor: ``_one_program_tile``; once over the grid where ``amax``
-    is given).
+) -> ActQuantLaunch:
+    """The launches of ``_act_quant_kernel`` that quantize ``x`` (``ActQuantLaunch``; its result
+    allocated unless ``out`` is given): two for per-tensor dynamic scales, or one, one program,
+    where one tile holds the tensor (``_one_program_tile``); one over the grid where ``amax`` is
+    given, and for every other kind.
 
     ``activation`` is an ``Activation`` value or "none" (plain quantization of ``x``).
     ``out``: buffers to write (what this function returns; allocated when None).
@@ -112,7 +153,7 @@ def act_quant_launch(
     pass leaves it; raised by GEMM1's epilogue, ``ActEpilogue.track_amax``, or its int32 per-program
     slots, ``amax_slots``): only the codes pass runs.
     """
-    # 101 lines: maps every tensor to the kernel's pointers, strides and constexprs in its argument order; split, that
+    # 97 lines: maps every tensor to the kernel's pointers, strides and constexprs in its argument order; split, that
     # order would be spread over several functions.
     expect(x.dim() == 2, "x", "a [M, K] tensor", tuple(x.shape))
     expect(x.dtype in _NATIVE_DTYPES, "x", f"one of {_NATIVE_DTYPES}", x.dtype)
@@ -160,6 +201,7 @@ def act_quant_launch(
             s_out.fill_(1.0)
         else:
             s_out.copy_(scale_of_amax(amax, tq))
+    grid, args, meta, passes = (1, 1), (), {}, ()
     if m > 0 and cols > 0:
         known = amax is not None
         tile = _one_program_tile(m, cols) if kind == "tensor_dyn" and not known else None
@@ -198,17 +240,13 @@ def act_quant_launch(
             BLOCK_K=bk,
             num_warps=8 if bm * bk > 4096 else 4,  # a one-program tile: <= 32 values a thread
         )
-        if one:
-            launch(_act_quant_kernel, grid, *args, PASS=0, **meta)
-        else:
-            if kind == "tensor_dyn" and not known:
-                launch(_act_quant_kernel, grid, *args, PASS=1, **meta)
-            launch(_act_quant_kernel, grid, *args, PASS=2, **meta)
+        passes = (0,) if one else (1, 2) if kind == "tensor_dyn" and not known else (2,)
     if quant == "none":
-        return data
-    return QTensor(
-        data=data, shape=(m, cols), scale=s_out, global_scale=None if gscale is None else gscale.reshape(1, 1)
-    )
+        result = data
+    else:
+        gs = None if gscale is None else gscale.reshape(1, 1)
+        result = QTensor(data=data, shape=(m, cols), scale=s_out, global_scale=gs)
+    return ActQuantLaunch(grid, args, meta, passes, result)
 
 
 def _data(out: QTensor | torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,8 @@ import torch
 from ..errors import expect
 from ..metadata import TopK
 from ._common import cdiv, interpreting, next_power_of_2
-from ._route import _route_kernel
+from ._route import _route_kernel, _route_quant_kernel
+from .act_quant import ActQuantLaunch
 from .launch import launch
 
 __all__ = ["MAX_EXPERTS", "fused_route", "route_launch", "router_args", "unsupported_reason"]
@@ -74,15 +75,18 @@ def route_launch(
     routed_scaling_factor: float = 1.0,
     rows: int | None = None,
     out: TopK | None = None,
+    quantize: ActQuantLaunch | None = None,
 ) -> TopK:
     """Launch ``_route_kernel`` on ``logits`` [T, E]; ``correction_bias`` [E] or None.
 
     The routing arguments are ``RouterConfig``'s (checked there, and again here for what
     would make the kernel read or write out of bounds). ``rows``: tokens per program (a
     power of 2; tests use it to cover both one and several rows per program). ``out``:
-    the ids int32 [T, K] and weights float32 [T, K] to write (contiguous).
+    the ids int32 [T, K] and weights float32 [T, K] to write (contiguous). ``quantize``: a one-pass
+    quantization of x (``act_quant.plan_act_quant``) whose programs run in this launch beside the
+    routing's (``_route_quant_kernel``); it is launched on its own where there is nothing to route.
     """
-    # 89 lines: maps the router's inputs and every routing option to the kernel's arguments in their order; split,
+    # 102 lines: maps the router's inputs and every routing option to the kernel's arguments in their order; split,
     # that order would be spread over several functions.
     expect(logits.dim() == 2 and logits.is_floating_point(), "logits", "a floating tensor [T, E]", logits.shape)
     t, e = logits.shape
@@ -116,7 +120,13 @@ def route_launch(
                 f"a contiguous {dt} tensor of shape {(t, k)}",
                 (tuple(buf.shape), buf.dtype),
             )
+    if quantize is not None:
+        expect(
+            len(quantize.passes) <= 1, "quantize", "a one-pass quantization (a per-tensor dynamic scale of one tile)"
+        )
     if t == 0:
+        if quantize is not None:
+            quantize.launch()
         return TopK(ids=ids, weights=weights)
     s = e // g
     gp, sp = next_power_of_2(g), next_power_of_2(s)
@@ -124,9 +134,18 @@ def route_launch(
     if rows is not None:
         expect(rows > 0 and rows & (rows - 1) == 0, "rows", "a power of 2", rows)
         r = rows
+    n_route, kernel, extra = cdiv(t, r), _route_kernel, {}
+    if quantize is not None and quantize.passes:
+        kernel = _route_quant_kernel
+        gm, gk = quantize.grid
+        meta = {k: v for k, v in quantize.meta.items() if k != "num_warps"}
+        extra = dict(args=(n_route, gk, *quantize.args), meta={**meta, "PASS": quantize.passes[0]})
+        # the routing's program keeps its warps where x's tile fits them at <= 64 values a thread: a routing
+        # row reduced across warps goes through shared memory, and its latency is the launch's
+        num_warps = max(num_warps, quantize.warps_for(64))
     launch(
-        _route_kernel,
-        (cdiv(t, r),),
+        kernel,
+        (n_route + (gm * gk if extra else 0),),
         logits,
         bias if has_bias else logits,  # any pointer; never read
         ids,
@@ -140,6 +159,7 @@ def route_launch(
         logits.stride(0),
         logits.stride(1),
         float(routed_scaling_factor),
+        *extra.get("args", ()),
         SCORING=scoring,
         RENORMALIZE=bool(renormalize),
         HAS_BIAS=has_bias,
@@ -151,6 +171,7 @@ def route_launch(
         SP=sp,
         KP=next_power_of_2(k),
         num_warps=num_warps,
+        **extra.get("meta", {}),
     )
     return TopK(ids=ids, weights=weights)
 
@@ -184,16 +205,22 @@ def router_args(router) -> dict:
     return {name: getattr(router, name) for name in _ROUTER_ARGS}
 
 
-def fused_route(router_logits: torch.Tensor, router, correction_bias: torch.Tensor | None = None) -> TopK:
+def fused_route(
+    router_logits: torch.Tensor,
+    router,
+    correction_bias: torch.Tensor | None = None,
+    quantize: ActQuantLaunch | None = None,
+) -> TopK:
     """Route ``router_logits`` [T, E] as ``router`` (a ``RouterConfig`` without custom_fn) says,
     in one kernel launch. ``RouterConfig.route(..., fused=True)`` checks the inputs, then calls this.
 
     Eager mode calls the launcher directly (the dispatcher costs tens of microseconds, more
     than the kernel); while ``torch.compile`` traces, the ``fusedmoe::route`` op goes in the
-    graph, so ``fullgraph=True`` and CUDA graphs work.
+    graph, so ``fullgraph=True`` and CUDA graphs work. ``quantize``: eager only (``route_launch``).
     """
     args = router_args(router)
     if torch.compiler.is_compiling():
+        expect(quantize is None, "quantize", "None while compiling (the op routes only)")
         ids, weights = torch.ops.fusedmoe.route(router_logits, correction_bias, *args.values())
         return TopK(ids=ids, weights=weights)
-    return route_launch(router_logits, correction_bias, **args)
+    return route_launch(router_logits, correction_bias, **args, quantize=quantize)

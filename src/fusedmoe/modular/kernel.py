@@ -273,7 +273,9 @@ class MoEKernel:
         eager call (H200 host, Qwen3-30B-A3B T = 1, 0.77-0.87x of the two plans' time). ``plain()``:
         the caller's own path (routing, checks, the call), run where no plan serves and in a
         key's first call; the second records. The key holds the router by value and the
-        correction bias by identity, with the kinds ``_plan`` keys on."""
+        correction bias by identity, with the kinds ``_plan`` keys on. Where the dispatcher can
+        quantize x without the routing (``Dispatcher.input_quantization``), the plan's routing launch
+        makes x's codes too: no quantization launch before GEMM1."""
         if self.shared_experts is not None or env.check_values() or torch.compiler.is_compiling():
             return plain()
         try:
@@ -285,7 +287,10 @@ class MoEKernel:
             return plain()
 
         def fn() -> torch.Tensor:
-            return self._routed(x, router.route(logits, correction_bias, replay=False), weights, expert_map)
+            # x's quantization, where it needs no routing, rides in the routing launch (one launch fewer)
+            q = self.dispatcher.input_quantization(x, weights)
+            topk = router.route(logits, correction_bias, replay=False, quantize=q)
+            return self._routed(x, topk, weights, expert_map, quantized=None if q is None else q.result)
 
         return self._plans.call(key, fn, (x, logits, correction_bias, expert_map, *wts), plain=plain)
 
@@ -341,8 +346,10 @@ class MoEKernel:
         weights: ExpertWeights,
         expert_map: torch.Tensor | None,
         shared_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        quantized=None,
     ) -> torch.Tensor:
-        """The layer chunk by chunk: dispatch, experts, ``shared_fn`` of the chunk, combine."""
+        """The layer chunk by chunk: dispatch, experts, ``shared_fn`` of the chunk, combine.
+        ``quantized``: x already quantized (``Dispatcher.input_quantization``; one chunk only)."""
         t = x.shape[0]
         out = torch.empty_like(x)
         distributed = self.dispatcher.distributed
@@ -372,6 +379,9 @@ class MoEKernel:
             xc = x[s:e]
             tk = TopK(topk.ids[s:e], topk.weights[s:e])
             kw = {"workspace": bufs["dispatch"]} if "dispatch" in bufs else {}
+            if quantized is not None:
+                expect(n_chunks == 1, "quantized", "given for a call of one chunk")
+                kw["quantized"] = quantized
             d = self.dispatcher.dispatch(xc, tk, weights, expert_map=expert_map, a1_scale=a1_scale, **kw)
             if direct:
                 y = out[s:e]

@@ -3,7 +3,9 @@
 Per (preset, scheme, T) cell, in one run on one GPU:
 
 - providers:
-  ``fusedmoe``            the oracle's backend through MoEKernel;
+  ``fusedmoe``            the oracle's backend through MoEKernel, from logits as the ``FusedMoE``
+                          layer runs it (``route_and_run``: routing and experts in one launch plan;
+                          ``triton`` and ``grouped_mm`` too);
   ``triton``              our ``triton`` experts backend, whatever the shape rule picks (the
                           other side of the triton/grouped_mm crossover, measured together);
   ``grouped_mm``          our ``grouped_mm`` experts backend (where it serves the scheme);
@@ -306,7 +308,7 @@ def _implementations(config, scheme, weights, providers, max_tokens):
         kern = build_kernel(config, scheme, backend=backend, num_tokens=max_tokens)
         if max_t == max_tokens:
             kern.allocate(max_tokens, "cuda")  # workspace up front: what CUDA-graph capture needs
-        return partial(_call_kernel, kern, kern.experts.prepare_weights(weights))
+        return _KernelLayer(kern, kern.experts.prepare_weights(weights))
 
     out = {}
     for name in providers:
@@ -324,11 +326,29 @@ def _implementations(config, scheme, weights, providers, max_tokens):
     return out
 
 
-def _call_kernel(kern, weights, x, topk):
-    return kern(x, topk, weights)
+@dataclass(frozen=True)
+class _KernelLayer:
+    """A built ``MoEKernel`` with its weights: ``(x, topk) -> out``, and ``from_logits`` as the
+    ``FusedMoE`` layer runs it (``MoEKernel.route_and_run``: routing and experts in one launch plan)."""
+
+    kernel: object
+    weights: object
+
+    def __call__(self, x, topk):
+        return self.kernel(x, topk, self.weights)
+
+    def from_logits(self, router, x, logits, bias):
+        plain = partial(self._plain, router, x, logits, bias)
+        return self.kernel.route_and_run(x, logits, router, bias, self.weights, plain)
+
+    def _plain(self, router, x, logits, bias):
+        return self(x, router.route(logits, bias))
 
 
 def _layer(impl, router, x, logits, bias):
+    from_logits = getattr(impl, "from_logits", None)
+    if from_logits is not None:
+        return from_logits(router, x, logits, bias)
     return impl(x, router.route(logits, bias))
 
 
