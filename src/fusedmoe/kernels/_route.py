@@ -104,9 +104,9 @@ def _route_quant_kernel(
 ):  # fmt: skip
     """The routing launch with x's quantization beside it: programs [0, n_route) route
     (``_route_rows``), the rest are the programs of x's one-pass ``_act_quant_kernel`` launch
-    (``act_quant_tile``; ``route.route_launch(quantize=...)``). The two need nothing of each other,
-    so x's codes come at no cost to the routing's latency, and the launch (~1.7 us of kernel and
-    its gap at Qwen3-30B-A3B T = 1 on an H200) that made them before GEMM1 is gone."""
+    (``act_quant_tile``; ``route.route_launch(quantize=...)``). The two need nothing of each other:
+    the launch lasts as long as its slower program, and the launch that made x's codes between the
+    routing and GEMM1 is gone (H200, T = 1, Qwen3-30B-A3B fp8 per tensor 31.9 -> 30.2 us)."""
     pdl_wait(PDL)
     pid = tl.program_id(0)
     if pid < n_route:
