@@ -233,7 +233,8 @@ class RouterConfig:
         quantize: with ``replay=False``, a one-pass quantization of the layer's input
         (``kernels.act_quant.ActQuantLaunch``) to run too: in the fused routing launch, or on its own.
         """
-        expect(quantize is None or not replay, "quantize", "given with replay=False only")
+        if quantize is not None:  # (the replay path below is hot: no check there)
+            expect(not replay, "quantize", "given with replay=False only")
         if fused is not False and replay:  # logits of a kind seen before: the fused kernel's launch plan
             replayed = _replayed(self, router_logits, correction_bias)
             if replayed is not None:

@@ -119,9 +119,9 @@ class ActQuantLaunch:
         return next_power_of_2(max(1, cdiv(values, 32 * values_per_thread)))
 
 
-def act_quant_launch(*args, **kwargs) -> QTensor | torch.Tensor:
-    """``plan_act_quant(...).launch()``: quantize (see ``plan_act_quant`` for the arguments)."""
-    return plan_act_quant(*args, **kwargs).launch()
+def act_quant_launch(x: torch.Tensor, tq: TensorQuant | None, **kwargs) -> QTensor | torch.Tensor:
+    """``plan_act_quant(x, tq, ...).launch()``: quantize now (the keyword arguments are ``plan_act_quant``'s)."""
+    return plan_act_quant(x, tq, **kwargs).launch()
 
 
 def plan_act_quant(
